@@ -1,0 +1,1 @@
+"""Execution: page pools, the checkpoint and restore pipelines, the planner."""
