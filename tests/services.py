@@ -233,6 +233,7 @@ def start_seaweedfs(deadline_s: float = 90) -> Iterator[S3Server]:
         proc = subprocess.Popen(
             [
                 weed,
+                f"-logdir={root}",  # else it writes log files into the system temp dir
                 "server",
                 f"-dir={root}",
                 "-ip=127.0.0.1",
