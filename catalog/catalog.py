@@ -1,0 +1,930 @@
+"""The catalog: ordered publish records, token-exact lookup, refs, lineage, quarantine, history."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+import numpy as np
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+
+from catalog import database
+from catalog.errors import CatalogError, NotFoundError, PublishError, RefConflictError
+from catalog.identity import Fingerprint, chain_hash, chain_root, fingerprint_hex
+from catalog.models import (
+    TIERS,
+    USABLE_STATES,
+    ChunkMatch,
+    ChunkRecord,
+    Conflict,
+    EventInfo,
+    InvalidationDirective,
+    Match,
+    PrefixInfo,
+    PublishResult,
+    RefInfo,
+    ReplicaInfo,
+    Shard,
+)
+from catalog.schema import (
+    Chunk,
+    Demand,
+    Event,
+    FingerprintRow,
+    Namespace,
+    PrefixNode,
+    Ref,
+    Replica,
+    Store,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_CHUNK_SIZE = 256
+_TIER_RANK = {t: i for i, t in enumerate(TIERS)}
+_RETRYABLE_PG = {"40001", "40P01"}  # serialization failure, deadlock detected
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def tokens_to_be(tokens: Sequence[int] | np.ndarray[Any, Any]) -> bytes:
+    """Big-endian uint32 token ids: byte order equals token order (see PrefixNode)."""
+    return np.asarray(tokens, dtype=np.int64).astype(">u4").tobytes()
+
+
+def be_to_tokens(data: bytes) -> tuple[int, ...]:
+    return tuple(int(t) for t in np.frombuffer(data, dtype=">u4"))
+
+
+def _common_prefix(a: bytes, b: bytes) -> int:
+    """Number of leading uint32 tokens shared by two big-endian token strings."""
+    n = min(len(a), len(b)) // 4
+    if n == 0:
+        return 0
+    x = np.frombuffer(a, dtype=">u4", count=n)
+    y = np.frombuffer(b, dtype=">u4", count=n)
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if diff.size else n
+
+
+class Catalog:
+    """Facts about stored KV chunks, over SQLite or PostgreSQL; safe for many threads and processes.
+
+    Open with `Catalog.open(url)`; close (or use as a context manager) to flush
+    batched access statistics.
+    """
+
+    def __init__(self, engine: Engine, url: str, *, access_flush_s: float = 2.0) -> None:
+        self.engine = engine
+        self.url = database.safe_url(url)
+        self._writer = engine.execution_options(kvc_write=True)
+        self._ns_cache: dict[str, tuple[int, int]] = {}
+        self._fp_cache: dict[str, Fingerprint] = {}
+        self._access: dict[int, tuple[int, datetime]] = {}
+        self._access_lock = threading.Lock()
+        self._access_flush_s = access_flush_s
+        self._access_last_flush = time.monotonic()
+
+    # -- opening -------------------------------------------------------------
+
+    @classmethod
+    def open(cls, url: str, *, upgrade: bool = False, **kwargs: Any) -> Catalog:
+        """Open the catalog at `url`; refuse a database of another schema revision.
+
+        `upgrade=True` runs the migrations first (what `kvc init` does).
+        """
+        engine = database.create_engine(url)
+        try:
+            if upgrade:
+                database.upgrade(engine)
+            else:
+                database.check_schema(engine, url)
+        except Exception:
+            engine.dispose()
+            raise
+        return cls(engine, url, **kwargs)
+
+    def upgrade(self, revision: str = "head") -> None:
+        database.upgrade(self.engine, revision)
+
+    def current_revision(self) -> str | None:
+        return database.current_revision(self.engine)
+
+    def close(self) -> None:
+        self.flush_access()
+        self.engine.dispose()
+
+    def __enter__(self) -> Catalog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- transactions --------------------------------------------------------
+
+    @contextmanager
+    def _write(self) -> Iterator[sa.Connection]:
+        with self._writer.begin() as conn:
+            yield conn
+
+    def _retrying(self, fn: Callable[[], T], attempts: int = 8) -> T:
+        """Run a write transaction, retrying deadlocks, serialization failures and busy SQLite."""
+        for attempt in range(attempts):
+            try:
+                return fn()
+            except (OperationalError, DBAPIError) as exc:
+                code = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
+                busy = "database is locked" in str(exc.orig) or code in _RETRYABLE_PG
+                if not busy or attempt == attempts - 1:
+                    raise
+                time.sleep(min(0.5, 0.01 * 2**attempt))
+        raise AssertionError("unreachable")
+
+    def _insert(self, conn: sa.Connection, table: Any) -> Any:
+        dialect = sqlite if conn.dialect.name == "sqlite" else postgresql
+        return dialect.insert(table)
+
+    # -- namespaces, fingerprints, stores ------------------------------------
+
+    def _namespace(self, conn: sa.Connection, name: str, *, create_chunk_size: int | None = None) -> tuple[int, int] | None:
+        cached = self._ns_cache.get(name)
+        if cached is not None:
+            return cached
+        row = conn.execute(sa.select(Namespace.id, Namespace.chunk_size).where(Namespace.name == name)).first()
+        if row is None and create_chunk_size is not None:
+            chain_root(name)  # validates the name
+            conn.execute(
+                self._insert(conn, Namespace)
+                .values(name=name, chunk_size=create_chunk_size, created_at=utcnow())
+                .on_conflict_do_nothing(index_elements=["name"])
+            )
+            row = conn.execute(sa.select(Namespace.id, Namespace.chunk_size).where(Namespace.name == name)).first()
+        if row is None:
+            return None
+        self._ns_cache[name] = (row[0], row[1])
+        return row[0], row[1]
+
+    def ensure_namespace(self, name: str, chunk_size: int = DEFAULT_CHUNK_SIZE) -> int:
+        """Create the namespace if needed; return its chunk size (fixed at creation)."""
+        def run() -> int:
+            with self._write() as conn:
+                ns = self._namespace(conn, name, create_chunk_size=chunk_size)
+                assert ns is not None
+                return ns[1]
+        return self._retrying(run)
+
+    def namespace_chunk_size(self, name: str) -> int | None:
+        with self.engine.connect() as conn:
+            ns = self._namespace(conn, name)
+        return None if ns is None else ns[1]
+
+    def _ensure_fingerprint(self, conn: sa.Connection, fp: Fingerprint) -> None:
+        if fp.hex in self._fp_cache:
+            return
+        conn.execute(
+            self._insert(conn, FingerprintRow)
+            .values(hex=fp.hex, descriptor=dict(fp.descriptor), created_at=utcnow())
+            .on_conflict_do_nothing(index_elements=["hex"])
+        )
+        self._fp_cache[fp.hex] = fp
+
+    def register_fingerprint(self, fp: Fingerprint) -> None:
+        def run() -> None:
+            with self._write() as conn:
+                self._ensure_fingerprint(conn, fp)
+        self._retrying(run)
+
+    def get_fingerprint(self, fp: Fingerprint | str) -> Fingerprint | None:
+        hex_ = fingerprint_hex(fp)
+        if hex_ in self._fp_cache:
+            return self._fp_cache[hex_]
+        with self.engine.connect() as conn:
+            desc = conn.execute(sa.select(FingerprintRow.descriptor).where(FingerprintRow.hex == hex_)).scalar()
+        if desc is None:
+            return None
+        found = Fingerprint.from_descriptor(desc)
+        self._fp_cache[hex_] = found
+        return found
+
+    def register_store(self, name: str, kind: str, tier: str) -> None:
+        """Record a store (by its credential-free URL) so replica rows can name it."""
+        if tier not in TIERS:
+            raise CatalogError(f"unknown tier {tier!r}: expected one of {', '.join(TIERS)}")
+        def run() -> None:
+            with self._write() as conn:
+                conn.execute(
+                    self._insert(conn, Store)
+                    .values(name=name, kind=kind, tier=tier, created_at=utcnow())
+                    .on_conflict_do_nothing(index_elements=["name"])
+                )
+        self._retrying(run)
+
+    # -- publish -------------------------------------------------------------
+
+    def record_chunks(self, records: Sequence[ChunkRecord], *, actor: str | None = None) -> PublishResult:
+        """Record chunks whose bytes are durable (with receipts), parents first, in one transaction.
+
+        Idempotent; a chunk whose parent is neither catalogued nor earlier in
+        `records` is refused (`PublishError`) and nothing of the batch is recorded.
+        """
+        if not records:
+            return PublishResult(0, 0, 0)
+        ordered = sorted(records, key=lambda r: (r.namespace, r.token_start))
+        for r in ordered:
+            self._validate_record(r)
+        return self._retrying(lambda: self._record(ordered, actor))
+
+    def record_chunk(self, record: ChunkRecord, *, actor: str | None = None) -> PublishResult:
+        return self.record_chunks([record], actor=actor)
+
+    def _validate_record(self, r: ChunkRecord) -> None:
+        if not isinstance(r.fingerprint, Fingerprint):
+            raise PublishError("ChunkRecord.fingerprint must be a Fingerprint (its descriptor is stored)")
+        if len(r.prefix_hash) != 32 or len(r.parent_hash) != 32:
+            raise PublishError("prefix_hash and parent_hash must be 32-byte hashes")
+        if len(r.tokens) == 0:
+            raise PublishError("a chunk must hold at least one token")
+        if chain_hash(r.parent_hash, r.tokens) != r.prefix_hash:
+            raise PublishError(
+                f"prefix hash {r.prefix_hash.hex()} does not commit to its parent and tokens"
+            )
+        if r.token_start < 0:
+            raise PublishError("token_start must be >= 0")
+        if r.token_start == 0 and r.parent_hash != chain_root(r.namespace):
+            raise PublishError("a chunk at token 0 must extend the namespace's chain root")
+        r.shard.check_within(r.fingerprint.layout)
+        database_key_ok = len(r.blob_key) == 64 and all(c in "0123456789abcdef" for c in r.blob_key)
+        if not database_key_ok:
+            raise PublishError(f"blob key {r.blob_key!r:.80} is not a 64-hex digest")
+        if not r.receipts:
+            raise PublishError("a chunk is recorded only with at least one replica receipt")
+        for rc in r.receipts:
+            if rc.tier not in TIERS:
+                raise PublishError(f"unknown tier {rc.tier!r}")
+            if rc.size != r.stored_bytes:
+                raise PublishError(
+                    f"receipt from {rc.location} says {rc.size} bytes, the blob has {r.stored_bytes}"
+                )
+
+    def _record(self, records: Sequence[ChunkRecord], actor: str | None) -> PublishResult:
+        now = utcnow()
+        recorded = present = replicas_added = 0
+        conflicts: list[Conflict] = []
+        with self._write() as conn:
+            ns_ids: dict[str, tuple[int, int]] = {}
+            for r in records:
+                if r.namespace not in ns_ids:
+                    ns = self._namespace(conn, r.namespace, create_chunk_size=DEFAULT_CHUNK_SIZE)
+                    assert ns is not None
+                    ns_ids[r.namespace] = ns
+                self._ensure_fingerprint(conn, r.fingerprint)
+            # Parents: the root, a node in this batch, or a catalogued node.
+            own = {r.prefix_hash: r for r in records}
+            needed = {r.parent_hash for r in records if r.token_start > 0 and r.parent_hash not in own}
+            known = self._prefix_rows(conn, needed | set(own))
+            for r in records:
+                chunk_size = ns_ids[r.namespace][1]
+                if r.token_start % chunk_size or len(r.tokens) > chunk_size:
+                    raise PublishError(
+                        f"chunk at token {r.token_start} with {len(r.tokens)} tokens does not fit "
+                        f"namespace {r.namespace!r}'s chunk size {chunk_size}"
+                    )
+                if r.token_start == 0:
+                    continue
+                parent = own.get(r.parent_hash) or known.get(r.parent_hash)
+                if parent is None:
+                    raise PublishError(
+                        f"parent prefix {r.parent_hash.hex()} of chunk {r.prefix_hash.hex()} is not catalogued"
+                    )
+                p_start, p_count = (
+                    (parent.token_start, len(parent.tokens))
+                    if isinstance(parent, ChunkRecord)
+                    else (parent.token_start, parent.token_count)
+                )
+                if p_start + p_count != r.token_start:
+                    raise PublishError(
+                        f"chunk {r.prefix_hash.hex()} starts at token {r.token_start} but its parent ends at {p_start + p_count}"
+                    )
+            # Insert in key order so concurrent publishers lock rows in the same order.
+            new_prefixes = [r for r in sorted(own.values(), key=lambda r: r.prefix_hash) if r.prefix_hash not in known]
+            if new_prefixes:
+                conn.execute(
+                    self._insert(conn, PrefixNode).on_conflict_do_nothing(index_elements=["prefix_hash"]),
+                    [
+                        {
+                            "prefix_hash": r.prefix_hash,
+                            "namespace_id": ns_ids[r.namespace][0],
+                            "parent_hash": r.parent_hash,
+                            "token_start": r.token_start,
+                            "token_count": len(r.tokens),
+                            "tokens_be": tokens_to_be(r.tokens),
+                            "depth": r.token_start // ns_ids[r.namespace][1],
+                            "quarantined": False,
+                            "quarantine_reason": None,
+                            "created_at": now,
+                        }
+                        for r in new_prefixes
+                    ],
+                )
+            quarantined = self._quarantined(conn, list(own))
+            if quarantined:
+                raise PublishError(f"prefix {sorted(quarantined)[0].hex()} is quarantined; refusing to publish under it")
+            stores_seen: set[str] = set()
+            for r in sorted(records, key=lambda r: r.prefix_hash):
+                s = r.shard
+                ident = (
+                    (Chunk.fingerprint == r.fingerprint.hex)
+                    & (Chunk.prefix_hash == r.prefix_hash)
+                    & (Chunk.layer_lo == s.layer_lo)
+                    & (Chunk.layer_hi == s.layer_hi)
+                    & (Chunk.head_lo == s.head_lo)
+                    & (Chunk.head_hi == s.head_hi)
+                )
+                res = conn.execute(
+                    self._insert(conn, Chunk)
+                    .values(
+                        fingerprint=r.fingerprint.hex,
+                        prefix_hash=r.prefix_hash,
+                        layer_lo=s.layer_lo,
+                        layer_hi=s.layer_hi,
+                        head_lo=s.head_lo,
+                        head_hi=s.head_hi,
+                        blob_key=r.blob_key,
+                        codec=r.codec,
+                        stored_bytes=r.stored_bytes,
+                        kv_bytes=r.kv_bytes,
+                        state="ready",
+                        created_at=now,
+                        last_seen_at=now,
+                        last_access_at=None,
+                        access_count=0,
+                    )
+                    .on_conflict_do_nothing()
+                )
+                if res.rowcount == 1:
+                    recorded += 1
+                else:
+                    kept = conn.execute(sa.select(Chunk.blob_key).where(ident)).scalar_one()
+                    if kept != r.blob_key:
+                        conflicts.append(Conflict(r.prefix_hash, kept, r.blob_key))
+                        self._event(
+                            conn, "conflict", r.namespace, r.prefix_hash.hex(), actor,
+                            {"fingerprint": r.fingerprint.hex, "kept": kept, "rejected": r.blob_key,
+                             "shard": [s.layer_lo, s.layer_hi, s.head_lo, s.head_hi]},
+                        )
+                        continue  # the rejected bytes get no replica rows
+                    present += 1
+                    conn.execute(sa.update(Chunk).where(ident).values(last_seen_at=now))
+                for rc in r.receipts:
+                    if rc.tier != "resident" and rc.location not in stores_seen:
+                        stores_seen.add(rc.location)
+                        conn.execute(
+                            self._insert(conn, Store)
+                            .values(name=rc.location, kind=rc.location.split(":", 1)[0], tier=rc.tier, created_at=now)
+                            .on_conflict_do_nothing(index_elements=["name"])
+                        )
+                    replicas_added += self._upsert_replica(conn, r.blob_key, rc)
+            self._event(
+                conn, "publish", records[0].namespace, records[-1].prefix_hash.hex(), actor,
+                {"chunks": len(records), "recorded": recorded, "already_present": present,
+                 "conflicts": len(conflicts), "fingerprint": records[0].fingerprint.hex},
+            )
+        return PublishResult(recorded, present, replicas_added, tuple(conflicts))
+
+    def _upsert_replica(self, conn: sa.Connection, blob_key: str, rc: Any) -> int:
+        values = {
+            "blob_key": blob_key,
+            "location": rc.location,
+            "tier": rc.tier,
+            "state": "durable",
+            "size": rc.size,
+            "etag": rc.etag,
+            "version": rc.version,
+            "checksum": rc.checksum,
+            "stored_at": rc.stored_at,
+            "last_verified_at": rc.stored_at,
+            "worker": rc.worker,
+        }
+        res = conn.execute(
+            self._insert(conn, Replica).values(**values).on_conflict_do_nothing(index_elements=["blob_key", "location"])
+        )
+        if res.rowcount == 1:
+            return 1
+        # A fresh receipt for a replica known to be broken means the bytes were put
+        # again: it is durable once more. Healthy replicas are left untouched.
+        conn.execute(
+            sa.update(Replica)
+            .where(Replica.blob_key == blob_key, Replica.location == rc.location, Replica.state.in_(("missing", "corrupt")))
+            .values(**{k: v for k, v in values.items() if k not in ("blob_key", "location")})
+        )
+        return 0
+
+    def _prefix_rows(self, conn: sa.Connection, hashes: set[bytes]) -> dict[bytes, Any]:
+        if not hashes:
+            return {}
+        rows = conn.execute(
+            sa.select(PrefixNode.prefix_hash, PrefixNode.token_start, PrefixNode.token_count).where(
+                PrefixNode.prefix_hash.in_(list(hashes))
+            )
+        ).all()
+        return {r.prefix_hash: r for r in rows}
+
+    def _quarantined(self, conn: sa.Connection, hashes: list[bytes]) -> set[bytes]:
+        rows = conn.execute(
+            sa.select(PrefixNode.prefix_hash).where(PrefixNode.prefix_hash.in_(hashes), PrefixNode.quarantined.is_(True))
+        ).scalars()
+        return set(rows)
+
+    def record_replica(self, blob_key: str, receipt: Any, *, namespace: str | None = None, actor: str | None = None) -> bool:
+        """Add a replica (with its receipt) of a catalogued blob, e.g. after a write-behind upload."""
+        def run() -> bool:
+            with self._write() as conn:
+                exists = conn.execute(sa.select(sa.func.count()).select_from(Chunk).where(Chunk.blob_key == blob_key)).scalar_one()
+                if not exists:
+                    raise NotFoundError(f"no catalogued chunk has blob key {blob_key}")
+                added = self._upsert_replica(conn, blob_key, receipt)
+                self._event(conn, "replica", namespace, blob_key, actor, {"location": receipt.location, "tier": receipt.tier})
+                return bool(added)
+        return self._retrying(run)
+
+    def known_blob_keys(self, namespace: str, fingerprint: Fingerprint | str, prefix_hashes: Sequence[bytes], shard: Shard) -> dict[bytes, str]:
+        """Which of these prefixes already have a chunk for this fingerprint and shard (one query)."""
+        fp = fingerprint_hex(fingerprint)
+        if not prefix_hashes:
+            return {}
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                sa.select(Chunk.prefix_hash, Chunk.blob_key).where(
+                    Chunk.fingerprint == fp,
+                    Chunk.prefix_hash.in_(list(prefix_hashes)),
+                    Chunk.layer_lo == shard.layer_lo,
+                    Chunk.layer_hi == shard.layer_hi,
+                    Chunk.head_lo == shard.head_lo,
+                    Chunk.head_hi == shard.head_hi,
+                )
+            ).all()
+        return {r.prefix_hash: r.blob_key for r in rows}
+
+    # -- lookup --------------------------------------------------------------
+
+    def lookup(
+        self,
+        namespace: str,
+        fingerprint: Fingerprint | str,
+        tokens: Sequence[int] | np.ndarray[Any, Any],
+        shard: Shard | None = None,
+        max_tokens: int | None = None,
+    ) -> Match:
+        """The longest restorable prefix of `tokens` (at most len - 1) and the chunks covering it.
+
+        Three round trips at most, whatever the prompt length: the namespace
+        (cached), every full chunk of the prompt at once, then the best partial
+        sibling where the chain ends.
+        """
+        fp_hex = fingerprint_hex(fingerprint)
+        tok = np.asarray(tokens)
+        from catalog.identity import prefix_hashes  # validates tokens with clear errors
+
+        if tok.ndim != 1 or tok.size == 0:
+            prefix_hashes(namespace, tokens, 1)  # raises the identity error for bad tokens
+        miss = Match(namespace, fp_hex, shard, int(tok.size))
+        limit = int(tok.size) - 1
+        if max_tokens is not None:
+            if max_tokens < 0:
+                raise CatalogError("max_tokens must be >= 0")
+            limit = min(limit, max_tokens)
+        with self.engine.connect() as conn:
+            ns = self._namespace(conn, namespace)
+            if ns is None or limit <= 0:
+                prefix_hashes(namespace, tokens, 1)
+                return miss
+            ns_id, cs = ns
+            if shard is None:
+                fp = self.get_fingerprint(fp_hex)
+                if fp is None:
+                    return miss
+                shard = Shard.full(fp.layout)
+            hashes = prefix_hashes(namespace, tokens, cs)
+            full = [h for i, h in enumerate(hashes) if (i + 1) * cs <= tok.size and i * cs < limit]
+            found = self._chunks_for(conn, fp_hex, shard, full)
+            chunks: list[ChunkMatch] = []
+            matched = 0
+            parent = chain_root(namespace)
+            for i, h in enumerate(full):
+                cm = found.get(h)
+                if cm is None:
+                    break
+                used = min(cs, limit - i * cs)
+                chunks.append(_with_used(cm, used))
+                matched = i * cs + used
+                parent = h
+                if used < cs:
+                    break
+            if matched < limit and (not chunks or chunks[-1].tokens_used == cs):
+                q = tok[matched : matched + cs]
+                partial = self._best_sibling(conn, fp_hex, shard, parent, tokens_to_be(q))
+                if partial is not None:
+                    shared = _common_prefix(tokens_to_be(q), partial[1])
+                    used = min(shared, limit - matched)
+                    if used > 0:
+                        chunks.append(_with_used(partial[0], used))
+                        matched += used
+        result = Match(namespace, fp_hex, shard, int(tok.size), matched, tuple(chunks))
+        if chunks:
+            self._note_access([c.prefix_hash for c in chunks], fp_hex, shard)
+        return result
+
+    def _chunk_query(self, fp_hex: str, shard: Shard) -> sa.Select[Any]:
+        return (
+            sa.select(
+                Chunk.id, Chunk.prefix_hash, PrefixNode.parent_hash, Chunk.blob_key, PrefixNode.token_start,
+                PrefixNode.token_count, PrefixNode.tokens_be, Chunk.codec, Chunk.stored_bytes, Chunk.kv_bytes,
+                Replica.location, Replica.tier, Replica.state, Replica.size, Replica.checksum, Replica.stored_at,
+                Replica.etag, Replica.version, Replica.worker, Replica.last_verified_at,
+            )
+            .join(PrefixNode, PrefixNode.prefix_hash == Chunk.prefix_hash)
+            .join(Replica, Replica.blob_key == Chunk.blob_key)
+            .where(
+                Chunk.fingerprint == fp_hex,
+                Chunk.layer_lo == shard.layer_lo,
+                Chunk.layer_hi == shard.layer_hi,
+                Chunk.head_lo == shard.head_lo,
+                Chunk.head_hi == shard.head_hi,
+                Chunk.state == "ready",
+                PrefixNode.quarantined.is_(False),
+                Replica.state.in_(USABLE_STATES),
+            )
+        )
+
+    def _chunks_for(self, conn: sa.Connection, fp_hex: str, shard: Shard, hashes: list[bytes]) -> dict[bytes, ChunkMatch]:
+        if not hashes:
+            return {}
+        rows = conn.execute(self._chunk_query(fp_hex, shard).where(Chunk.prefix_hash.in_(hashes))).all()
+        return {cm.prefix_hash: cm for cm in _group(rows).values()}
+
+    def _best_sibling(self, conn: sa.Connection, fp_hex: str, shard: Shard, parent: bytes, q_be: bytes) -> tuple[ChunkMatch, bytes] | None:
+        usable = (
+            sa.select(sa.literal(1))
+            .select_from(Chunk)
+            .join(Replica, Replica.blob_key == Chunk.blob_key)
+            .where(
+                Chunk.prefix_hash == PrefixNode.prefix_hash,
+                Chunk.fingerprint == fp_hex,
+                Chunk.layer_lo == shard.layer_lo,
+                Chunk.layer_hi == shard.layer_hi,
+                Chunk.head_lo == shard.head_lo,
+                Chunk.head_hi == shard.head_hi,
+                Chunk.state == "ready",
+                Replica.state.in_(USABLE_STATES),
+            )
+            .exists()
+        )
+        base = sa.select(PrefixNode.prefix_hash, PrefixNode.tokens_be).where(
+            PrefixNode.parent_hash == parent, PrefixNode.quarantined.is_(False), usable
+        )
+        # The sibling sharing the longest prefix with q is q's neighbour in token order.
+        below = base.where(PrefixNode.tokens_be <= q_be).order_by(PrefixNode.tokens_be.desc()).limit(1).subquery()
+        above = base.where(PrefixNode.tokens_be > q_be).order_by(PrefixNode.tokens_be.asc()).limit(1).subquery()
+        rows = conn.execute(sa.union_all(sa.select(below), sa.select(above))).all()
+        best: tuple[bytes, bytes] | None = None
+        best_len = 0
+        for h, tb in rows:
+            n = _common_prefix(q_be, tb)
+            if n > best_len:
+                best, best_len = (h, tb), n
+        if best is None:
+            return None
+        cm = self._chunks_for(conn, fp_hex, shard, [best[0]]).get(best[0])
+        return None if cm is None else (cm, best[1])
+
+    # -- access statistics (batched off the hot path) -------------------------
+
+    def _note_access(self, prefixes: list[bytes], fp_hex: str, shard: Shard) -> None:
+        now = utcnow()
+        with self._access_lock:
+            for p in prefixes:
+                key = (fp_hex, p, shard)
+                count, _ = self._access_pending.get(key, (0, now))
+                self._access_pending[key] = (count + 1, now)
+            due = time.monotonic() - self._access_last_flush >= self._access_flush_s
+        if due:
+            self.flush_access()
+
+    @property
+    def _access_pending(self) -> dict[Any, tuple[int, datetime]]:
+        return self._access  # type: ignore[return-value]
+
+    def flush_access(self) -> None:
+        """Write batched access counts and times (called periodically by lookups, and on close)."""
+        with self._access_lock:
+            pending, self._access = self._access, {}
+            self._access_last_flush = time.monotonic()
+        if not pending:
+            return
+
+        def run() -> None:
+            with self._write() as conn:
+                for (fp_hex, prefix, shard), (count, at) in sorted(pending.items(), key=lambda kv: kv[0][1]):
+                    conn.execute(
+                        sa.update(Chunk)
+                        .where(
+                            Chunk.fingerprint == fp_hex,
+                            Chunk.prefix_hash == prefix,
+                            Chunk.layer_lo == shard.layer_lo,
+                            Chunk.layer_hi == shard.layer_hi,
+                            Chunk.head_lo == shard.head_lo,
+                            Chunk.head_hi == shard.head_hi,
+                        )
+                        .values(access_count=Chunk.access_count + count, last_access_at=at)
+                    )
+        try:
+            self._retrying(run)
+        except (OperationalError, DBAPIError) as exc:  # statistics must never fail a lookup
+            log.warning("could not record access statistics: %s", exc.__class__.__name__)
+
+    # -- demand ----------------------------------------------------------------
+
+    def declare_demand(self, worker: str, namespace: str, prefix_hash: bytes, *, priority: float = 1.0, ttl_s: float = 3600) -> None:
+        """A worker expects to need this prefix until now + ttl (a GC root while live)."""
+        from datetime import timedelta
+
+        def run() -> None:
+            with self._write() as conn:
+                ns = self._namespace(conn, namespace)
+                if ns is None:
+                    raise NotFoundError(f"no namespace {namespace!r}")
+                expires = utcnow() + timedelta(seconds=ttl_s)
+                stmt = self._insert(conn, Demand).values(
+                    worker=worker, prefix_hash=prefix_hash, namespace_id=ns[0], priority=priority, expires_at=expires
+                )
+                conn.execute(
+                    stmt.on_conflict_do_update(
+                        index_elements=["worker", "prefix_hash"], set_={"priority": priority, "expires_at": expires}
+                    )
+                )
+        self._retrying(run)
+
+    # -- refs ------------------------------------------------------------------
+
+    def create_ref(
+        self, namespace: str, name: str, fingerprint: Fingerprint | str, head_hash: bytes,
+        *, pending_token: int | None = None, forked_from: str | None = None, actor: str | None = None,
+    ) -> RefInfo:
+        """Create a named continuation at `head_hash` (which must be catalogued in `namespace`)."""
+        fp_hex = fingerprint_hex(fingerprint)
+        _check_ref_name(name)
+
+        def run() -> RefInfo:
+            with self._write() as conn:
+                ns_id, head = self._ref_head(conn, namespace, head_hash)
+                if conn.execute(sa.select(FingerprintRow.hex).where(FingerprintRow.hex == fp_hex)).first() is None:
+                    raise NotFoundError(f"fingerprint {fp_hex} is not catalogued")
+                now = utcnow()
+                try:
+                    with conn.begin_nested():
+                        conn.execute(
+                            sa.insert(Ref).values(
+                                namespace_id=ns_id, name=name, fingerprint=fp_hex, head_hash=head_hash,
+                                processed=head.token_start + head.token_count, pending_token=pending_token,
+                                forked_from=forked_from, created_at=now, updated_at=now,
+                            )
+                        )
+                except IntegrityError as exc:
+                    raise RefConflictError(f"ref {name!r} already exists in namespace {namespace!r}") from exc
+                self._event(conn, "ref.create", namespace, name, actor,
+                            {"head": head_hash.hex(), "forked_from": forked_from})
+                return self._get_ref(conn, namespace, ns_id, name)
+        return self._retrying(run)
+
+    def _ref_head(self, conn: sa.Connection, namespace: str, head_hash: bytes) -> tuple[int, Any]:
+        ns = self._namespace(conn, namespace)
+        if ns is None:
+            raise NotFoundError(f"no namespace {namespace!r}")
+        head = conn.execute(
+            sa.select(PrefixNode.token_start, PrefixNode.token_count).where(
+                PrefixNode.prefix_hash == head_hash, PrefixNode.namespace_id == ns[0]
+            )
+        ).first()
+        if head is None:
+            raise NotFoundError(f"prefix {head_hash.hex()} is not catalogued in namespace {namespace!r}")
+        return ns[0], head
+
+    def _get_ref(self, conn: sa.Connection, namespace: str, ns_id: int, name: str) -> RefInfo:
+        row = conn.execute(sa.select(Ref).where(Ref.namespace_id == ns_id, Ref.name == name)).first()
+        if row is None:
+            raise NotFoundError(f"no ref {name!r} in namespace {namespace!r}")
+        return RefInfo(namespace, row.name, row.fingerprint, row.head_hash, row.processed, row.pending_token,
+                       row.forked_from, row.created_at, row.updated_at)
+
+    def get_ref(self, namespace: str, name: str) -> RefInfo:
+        with self.engine.connect() as conn:
+            ns = self._namespace(conn, namespace)
+            if ns is None:
+                raise NotFoundError(f"no ref {name!r} in namespace {namespace!r}")
+            return self._get_ref(conn, namespace, ns[0], name)
+
+    def list_refs(self, namespace: str) -> list[RefInfo]:
+        with self.engine.connect() as conn:
+            ns = self._namespace(conn, namespace)
+            if ns is None:
+                return []
+            rows = conn.execute(sa.select(Ref).where(Ref.namespace_id == ns[0]).order_by(Ref.name)).all()
+            return [RefInfo(namespace, r.name, r.fingerprint, r.head_hash, r.processed, r.pending_token,
+                            r.forked_from, r.created_at, r.updated_at) for r in rows]
+
+    def update_ref(
+        self, namespace: str, name: str, *, expected_head: bytes, new_head: bytes,
+        pending_token: int | None = None, actor: str | None = None,
+    ) -> RefInfo:
+        """Move a ref from `expected_head` to `new_head`; a concurrent mover wins, this raises RefConflictError."""
+        def run() -> RefInfo:
+            with self._write() as conn:
+                ns_id, head = self._ref_head(conn, namespace, new_head)
+                res = conn.execute(
+                    sa.update(Ref)
+                    .where(Ref.namespace_id == ns_id, Ref.name == name, Ref.head_hash == expected_head)
+                    .values(head_hash=new_head, processed=head.token_start + head.token_count,
+                            pending_token=pending_token, updated_at=utcnow())
+                )
+                if res.rowcount != 1:
+                    current = conn.execute(sa.select(Ref.head_hash).where(Ref.namespace_id == ns_id, Ref.name == name)).scalar()
+                    if current is None:
+                        raise NotFoundError(f"no ref {name!r} in namespace {namespace!r}")
+                    raise RefConflictError(
+                        f"ref {name!r} moved: expected head {expected_head.hex()[:16]}, found {current.hex()[:16]}"
+                    )
+                self._event(conn, "ref.update", namespace, name, actor,
+                            {"from": expected_head.hex(), "to": new_head.hex()})
+                return self._get_ref(conn, namespace, ns_id, name)
+        return self._retrying(run)
+
+    def fork_ref(self, namespace: str, source: str, name: str, *, actor: str | None = None) -> RefInfo:
+        """A new ref at the same head as `source`, remembering where it was forked from."""
+        src = self.get_ref(namespace, source)
+        return self.create_ref(namespace, name, src.fingerprint, src.head_hash,
+                               pending_token=src.pending_token, forked_from=source, actor=actor)
+
+    def delete_ref(self, namespace: str, name: str, *, actor: str | None = None) -> None:
+        def run() -> None:
+            with self._write() as conn:
+                ns = self._namespace(conn, namespace)
+                res = None if ns is None else conn.execute(
+                    sa.delete(Ref).where(Ref.namespace_id == ns[0], Ref.name == name)
+                )
+                if res is None or res.rowcount != 1:
+                    raise NotFoundError(f"no ref {name!r} in namespace {namespace!r}")
+                self._event(conn, "ref.delete", namespace, name, actor, {})
+        self._retrying(run)
+
+    # -- lineage and quarantine ------------------------------------------------
+
+    def get_prefix(self, namespace: str, prefix_hash: bytes) -> PrefixInfo:
+        with self.engine.connect() as conn:
+            ns = self._namespace(conn, namespace)
+            row = None if ns is None else conn.execute(
+                sa.select(PrefixNode).where(PrefixNode.prefix_hash == prefix_hash, PrefixNode.namespace_id == ns[0])
+            ).first()
+        if row is None:
+            raise NotFoundError(f"prefix {prefix_hash.hex()} is not catalogued in namespace {namespace!r}")
+        return _prefix_info(row)
+
+    def lineage(self, namespace: str, prefix_hash: bytes) -> list[PrefixInfo]:
+        """The chain from the root to `prefix_hash`, root first (one recursive query)."""
+        with self.engine.connect() as conn:
+            ns = self._namespace(conn, namespace)
+            if ns is None:
+                raise NotFoundError(f"no namespace {namespace!r}")
+            up = sa.select(PrefixNode.prefix_hash, PrefixNode.parent_hash).where(
+                PrefixNode.prefix_hash == prefix_hash, PrefixNode.namespace_id == ns[0]
+            ).cte("up", recursive=True)
+            up = up.union_all(
+                sa.select(PrefixNode.prefix_hash, PrefixNode.parent_hash).join(up, PrefixNode.prefix_hash == up.c.parent_hash)
+            )
+            rows = conn.execute(
+                sa.select(PrefixNode).join(up, PrefixNode.prefix_hash == up.c.prefix_hash).order_by(PrefixNode.token_start)
+            ).all()
+        if not rows:
+            raise NotFoundError(f"prefix {prefix_hash.hex()} is not catalogued in namespace {namespace!r}")
+        return [_prefix_info(r) for r in rows]
+
+    def _descendants_cte(self, ns_id: int, prefix_hash: bytes) -> Any:
+        down = sa.select(PrefixNode.prefix_hash).where(
+            PrefixNode.prefix_hash == prefix_hash, PrefixNode.namespace_id == ns_id
+        ).cte("down", recursive=True)
+        return down.union_all(
+            sa.select(PrefixNode.prefix_hash).join(down, PrefixNode.parent_hash == down.c.prefix_hash)
+        )
+
+    def descendants(self, namespace: str, prefix_hash: bytes) -> list[PrefixInfo]:
+        """Every node below `prefix_hash` (not itself), in token order."""
+        with self.engine.connect() as conn:
+            ns = self._namespace(conn, namespace)
+            if ns is None:
+                raise NotFoundError(f"no namespace {namespace!r}")
+            down = self._descendants_cte(ns[0], prefix_hash)
+            rows = conn.execute(
+                sa.select(PrefixNode).join(down, PrefixNode.prefix_hash == down.c.prefix_hash)
+                .where(PrefixNode.prefix_hash != prefix_hash).order_by(PrefixNode.token_start, PrefixNode.prefix_hash)
+            ).all()
+        return [_prefix_info(r) for r in rows]
+
+    def quarantine(self, namespace: str, prefix_hash: bytes, reason: str, *, actor: str | None = None) -> list[InvalidationDirective]:
+        """Make a node and all its descendants unrestorable at once; return one directive per replica."""
+        if not reason or not reason.strip():
+            raise CatalogError("a quarantine needs a reason")
+
+        def run() -> list[InvalidationDirective]:
+            with self._write() as conn:
+                ns = self._namespace(conn, namespace)
+                if ns is None or conn.execute(
+                    sa.select(PrefixNode.prefix_hash).where(PrefixNode.prefix_hash == prefix_hash, PrefixNode.namespace_id == ns[0])
+                ).first() is None:
+                    raise NotFoundError(f"prefix {prefix_hash.hex()} is not catalogued in namespace {namespace!r}")
+                down = self._descendants_cte(ns[0], prefix_hash)
+                affected = sa.select(down.c.prefix_hash)
+                conn.execute(
+                    sa.update(PrefixNode)
+                    .where(PrefixNode.prefix_hash.in_(affected))
+                    .values(quarantined=True, quarantine_reason=reason)
+                )
+                down2 = self._descendants_cte(ns[0], prefix_hash)
+                rows = conn.execute(
+                    sa.select(Replica.location, Replica.blob_key, Replica.tier, Replica.worker, Chunk.prefix_hash)
+                    .join(Chunk, Chunk.blob_key == Replica.blob_key)
+                    .where(Chunk.prefix_hash.in_(sa.select(down2.c.prefix_hash)))
+                    .order_by(Chunk.prefix_hash, Replica.location)
+                ).all()
+                directives = [InvalidationDirective(r.location, r.blob_key, r.tier, r.worker, r.prefix_hash) for r in rows]
+                self._event(conn, "quarantine", namespace, prefix_hash.hex(), actor,
+                            {"reason": reason, "replicas": len(directives)})
+                for d in directives:
+                    self._event(conn, "invalidate", namespace, d.blob_key, actor,
+                                {"location": d.location, "tier": d.tier, "worker": d.worker,
+                                 "prefix": d.prefix_hash.hex(), "reason": reason})
+                return directives
+        return self._retrying(run)
+
+    # -- history ---------------------------------------------------------------
+
+    def _event(self, conn: sa.Connection, kind: str, namespace: str | None, subject: str | None,
+               actor: str | None, details: dict[str, Any]) -> None:
+        conn.execute(sa.insert(Event).values(at=utcnow(), kind=kind, namespace=namespace, subject=subject,
+                                             actor=actor, details=details))
+
+    def events(self, *, namespace: str | None = None, kind: str | None = None, since_seq: int = 0,
+               limit: int = 1000) -> list[EventInfo]:
+        q = sa.select(Event).where(Event.seq > since_seq).order_by(Event.seq).limit(limit)
+        if namespace is not None:
+            q = q.where(Event.namespace == namespace)
+        if kind is not None:
+            q = q.where(Event.kind == kind)
+        with self.engine.connect() as conn:
+            rows = conn.execute(q).all()
+        return [EventInfo(r.seq, r.at, r.kind, r.namespace, r.subject, r.actor, r.details) for r in rows]
+
+
+def _check_ref_name(name: str) -> None:
+    if not isinstance(name, str) or not name or len(name) > 255 or any(c in name for c in "\x00\n\r"):
+        raise CatalogError(f"invalid ref name {name!r:.80}: 1-255 printable characters")
+
+
+def _prefix_info(row: Any) -> PrefixInfo:
+    return PrefixInfo(row.prefix_hash, row.parent_hash, row.token_start, be_to_tokens(row.tokens_be), row.depth,
+                      row.quarantined, row.quarantine_reason)
+
+
+def _with_used(cm: ChunkMatch, used: int) -> ChunkMatch:
+    from dataclasses import replace
+
+    return replace(cm, tokens_used=used)
+
+
+def _group(rows: Sequence[Any]) -> dict[bytes, ChunkMatch]:
+    """Fold chunk x replica rows into one ChunkMatch per chunk, replicas best tier first."""
+    by_chunk: dict[bytes, list[Any]] = {}
+    for r in rows:
+        by_chunk.setdefault(r.prefix_hash, []).append(r)
+    out: dict[bytes, ChunkMatch] = {}
+    for h, rs in by_chunk.items():
+        r0 = rs[0]
+        replicas = tuple(
+            sorted(
+                (ReplicaInfo(r.location, r.tier, r.state, r.size, r.checksum, r.stored_at, r.etag, r.version,
+                             r.worker, r.last_verified_at) for r in rs),
+                key=lambda x: (_TIER_RANK.get(x.tier, 99), x.location),
+            )
+        )
+        out[h] = ChunkMatch(h, r0.parent_hash, r0.blob_key, r0.token_start, r0.token_count, r0.token_count,
+                            r0.codec, r0.stored_bytes, r0.kv_bytes, replicas)
+    return out

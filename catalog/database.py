@@ -1,0 +1,129 @@
+"""Opening a catalog database: engines for SQLite and PostgreSQL, Alembic upgrades, schema checks."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+from catalog.errors import CatalogError, SchemaVersionError
+
+log = logging.getLogger(__name__)
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+
+
+def safe_url(url: str | sa.URL) -> str:
+    """The URL with any password hidden, for logs and errors."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return "<malformed URL>"
+
+
+def create_engine(url: str) -> Engine:
+    """An engine for `sqlite:///path` or `postgresql+psycopg://...`, configured for the catalog."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError as exc:
+        raise CatalogError(f"malformed catalog URL {url!r:.200}: expected sqlite:///PATH or postgresql+psycopg://...") from exc
+    backend = parsed.get_backend_name()
+    if backend == "sqlite":
+        if parsed.database in (None, "", ":memory:"):
+            raise CatalogError("an in-memory SQLite catalog would vanish on close; give a file path: sqlite:///PATH")
+        db_path = Path(parsed.database)
+        if not db_path.parent.exists():
+            raise CatalogError(f"directory {db_path.parent} of SQLite catalog does not exist")
+        engine = sa.create_engine(parsed, connect_args={"timeout": 30})
+
+        @sa.event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_conn: Any, _record: object) -> None:
+            # WAL lets readers run beside one writer; busy_timeout queues writers
+            # instead of failing at once; foreign keys are off by default in SQLite.
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA synchronous=FULL")
+            cur.close()
+            # Let SQLAlchemy's "begin" event issue BEGIN itself, so writers can
+            # take the write lock up front (BEGIN IMMEDIATE) and queue on
+            # busy_timeout instead of failing when two upgrade a read lock.
+            dbapi_conn.isolation_level = None
+
+        @sa.event.listens_for(engine, "begin")
+        def _sqlite_begin(conn: sa.Connection) -> None:
+            immediate = conn.get_execution_options().get("kvc_write", False)
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+        return engine
+    if backend == "postgresql":
+        if parsed.get_driver_name() not in ("psycopg", "psycopg2"):
+            parsed = parsed.set(drivername="postgresql+psycopg")
+        try:
+            return sa.create_engine(parsed, pool_pre_ping=True, pool_size=5, max_overflow=10)
+        except (NoSuchModuleError, ImportError) as exc:
+            raise CatalogError("PostgreSQL catalogs need psycopg: pip install 'kvc[postgres]'") from exc
+    raise CatalogError(
+        f"unsupported catalog URL scheme {parsed.drivername!r} in {safe_url(parsed)}: use sqlite:///PATH or postgresql+psycopg://..."
+    )
+
+
+def alembic_config(connection: sa.Connection | None = None) -> Any:
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.attributes["connection"] = connection
+    return cfg
+
+
+def head_revision() -> str:
+    from alembic.script import ScriptDirectory
+
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    if head is None:
+        raise CatalogError(f"no migrations found in {MIGRATIONS_DIR}")
+    return head
+
+
+def current_revision(engine: Engine) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    from alembic import command
+
+    with engine.execution_options(kvc_write=True).begin() as conn:
+        command.upgrade(alembic_config(conn), revision)
+
+
+def downgrade(engine: Engine, revision: str) -> None:
+    from alembic import command
+
+    with engine.execution_options(kvc_write=True).begin() as conn:
+        command.downgrade(alembic_config(conn), revision)
+
+
+def check_schema(engine: Engine, url: str) -> None:
+    """Refuse a database whose schema is not the one this code was written for."""
+    current = current_revision(engine)
+    head = head_revision()
+    if current == head:
+        return
+    where = safe_url(url)
+    if current is None:
+        raise SchemaVersionError(
+            f"catalog {where} has no kvc schema; run `kvc db upgrade` (or `kvc init`) first"
+        )
+    raise SchemaVersionError(
+        f"catalog {where} is at schema revision {current}, this kvc needs {head}; "
+        "run `kvc db upgrade` (back up the database first)"
+    )

@@ -1,0 +1,235 @@
+"""The catalog's relational schema (SQLAlchemy 2 typed ORM); migrations/ mirrors it exactly."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Bumped with every migration; a database whose alembic revision differs is refused.
+SCHEMA_REVISION = "0001"
+
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes on every backend (SQLite stores naive values)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError("naive datetime given to the catalog; use UTC-aware datetimes")
+        if value is not None and dialect.name == "sqlite":
+            # SQLite keeps text: normalise to UTC so string order is time order.
+            return value.astimezone(UTC).replace(tzinfo=None)
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value
+
+
+Hash = LargeBinary(32)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+    type_annotation_map: dict[Any, Any] = {datetime: UTCDateTime(), dict[str, Any]: JSON()}
+
+
+class Namespace(Base):
+    """A tenant. Its chain root salts every prefix hash beneath it."""
+
+    __tablename__ = "namespaces"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(255), unique=True)
+    chunk_size: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime]
+
+
+class FingerprintRow(Base):
+    """A model-and-execution identity with the full descriptor that was hashed."""
+
+    __tablename__ = "fingerprints"
+    hex: Mapped[str] = mapped_column(String(64), primary_key=True)
+    descriptor: Mapped[dict[str, Any]]
+    created_at: Mapped[datetime]
+
+
+class PrefixNode(Base):
+    """A chunk's place in a namespace's prefix tree: its tokens and the prefix it extends.
+
+    `tokens_be` holds the token ids as big-endian uint32, so byte order is token
+    order: the stored sibling sharing the longest prefix with a query is one of
+    its two neighbours in the (parent_hash, tokens_be) index.
+    """
+
+    __tablename__ = "prefixes"
+    prefix_hash: Mapped[bytes] = mapped_column(Hash, primary_key=True)
+    namespace_id: Mapped[int] = mapped_column(ForeignKey("namespaces.id"))
+    parent_hash: Mapped[bytes] = mapped_column(Hash)
+    token_start: Mapped[int] = mapped_column(BigInteger)
+    token_count: Mapped[int] = mapped_column(Integer)
+    tokens_be: Mapped[bytes] = mapped_column(LargeBinary)
+    depth: Mapped[int] = mapped_column(Integer)
+    quarantined: Mapped[bool] = mapped_column(Boolean, default=False)
+    quarantine_reason: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime]
+
+    __table_args__ = (
+        Index("ix_prefixes_parent_tokens", "parent_hash", "tokens_be"),
+        Index("ix_prefixes_namespace", "namespace_id"),
+        CheckConstraint("token_count >= 1", name="token_count_positive"),
+        CheckConstraint("token_start >= 0", name="token_start_nonneg"),
+    )
+
+
+class Chunk(Base):
+    """The KV of one (fingerprint, prefix, shard): which blob holds it, and how it is used."""
+
+    __tablename__ = "chunks"
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    fingerprint: Mapped[str] = mapped_column(ForeignKey("fingerprints.hex"))
+    prefix_hash: Mapped[bytes] = mapped_column(ForeignKey("prefixes.prefix_hash"))
+    layer_lo: Mapped[int] = mapped_column(Integer)
+    layer_hi: Mapped[int] = mapped_column(Integer)
+    head_lo: Mapped[int] = mapped_column(Integer)
+    head_hi: Mapped[int] = mapped_column(Integer)
+    blob_key: Mapped[str] = mapped_column(String(64))
+    codec: Mapped[str] = mapped_column(String(32))
+    stored_bytes: Mapped[int] = mapped_column(BigInteger)
+    kv_bytes: Mapped[int] = mapped_column(BigInteger)
+    state: Mapped[str] = mapped_column(String(16), default="ready")
+    created_at: Mapped[datetime]
+    last_seen_at: Mapped[datetime]
+    last_access_at: Mapped[datetime | None]
+    access_count: Mapped[int] = mapped_column(BigInteger, default=0)
+
+    __table_args__ = (
+        Index(
+            "uq_chunks_identity",
+            "fingerprint",
+            "prefix_hash",
+            "layer_lo",
+            "layer_hi",
+            "head_lo",
+            "head_hi",
+            unique=True,
+        ),
+        Index("ix_chunks_prefix_hash", "prefix_hash"),
+        Index("ix_chunks_blob_key", "blob_key"),
+        CheckConstraint("layer_lo >= 0 AND layer_hi > layer_lo", name="layer_range"),
+        CheckConstraint("head_lo >= 0 AND head_hi > head_lo", name="head_range"),
+        CheckConstraint("state IN ('ready', 'purging')", name="state_known"),
+    )
+
+
+class Store(Base):
+    """A place blobs live: a local directory or an object-store bucket/prefix."""
+
+    __tablename__ = "stores"
+    name: Mapped[str] = mapped_column(String(1024), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    tier: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime]
+
+
+class Replica(Base):
+    """Where a blob's bytes are (a store, or a worker's pool), with the receipt that proves it."""
+
+    __tablename__ = "replicas"
+    blob_key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    location: Mapped[str] = mapped_column(String(1024), primary_key=True)
+    tier: Mapped[str] = mapped_column(String(16))
+    state: Mapped[str] = mapped_column(String(16))
+    size: Mapped[int] = mapped_column(BigInteger)
+    etag: Mapped[str | None] = mapped_column(String(255))
+    version: Mapped[str | None] = mapped_column(String(255))
+    checksum: Mapped[str] = mapped_column(String(255))
+    stored_at: Mapped[datetime]
+    last_verified_at: Mapped[datetime | None]
+    worker: Mapped[str | None] = mapped_column(String(255))
+
+    __table_args__ = (
+        CheckConstraint(
+            "state IN ('durable', 'ready', 'corrupt', 'missing', 'deleting')", name="state_known"
+        ),
+        CheckConstraint("tier IN ('resident', 'local', 'object')", name="tier_known"),
+        Index("ix_replicas_location", "location"),
+    )
+
+
+class Ref(Base):
+    """A named continuation, like a git branch: a head prefix plus the pending token."""
+
+    __tablename__ = "refs"
+    namespace_id: Mapped[int] = mapped_column(ForeignKey("namespaces.id"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(ForeignKey("fingerprints.hex"))
+    head_hash: Mapped[bytes] = mapped_column(ForeignKey("prefixes.prefix_hash"))
+    processed: Mapped[int] = mapped_column(BigInteger)
+    pending_token: Mapped[int | None] = mapped_column(BigInteger)
+    forked_from: Mapped[str | None] = mapped_column(String(255))
+    created_at: Mapped[datetime]
+    updated_at: Mapped[datetime]
+
+    __table_args__ = (Index("ix_refs_head", "head_hash"),)
+
+
+class Demand(Base):
+    """A worker's declared interest in a prefix until it expires (a GC root while live)."""
+
+    __tablename__ = "demand"
+    worker: Mapped[str] = mapped_column(String(255), primary_key=True)
+    prefix_hash: Mapped[bytes] = mapped_column(Hash, primary_key=True)
+    namespace_id: Mapped[int] = mapped_column(ForeignKey("namespaces.id"))
+    priority: Mapped[float]
+    expires_at: Mapped[datetime]
+
+    __table_args__ = (Index("ix_demand_expires", "expires_at"),)
+
+
+class Event(Base):
+    """Append-only history: what happened, to what, by whom, with a monotonic sequence."""
+
+    __tablename__ = "events"
+    seq: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    at: Mapped[datetime]
+    kind: Mapped[str] = mapped_column(String(64))
+    namespace: Mapped[str | None] = mapped_column(String(255))
+    subject: Mapped[str | None] = mapped_column(String(1024))
+    actor: Mapped[str | None] = mapped_column(String(255))
+    details: Mapped[dict[str, Any]]
+
+    __table_args__ = (
+        Index("ix_events_at", "at"),
+        Index("ix_events_kind", "kind"),
+        Index("ix_events_subject", "subject"),
+    )
+
