@@ -91,10 +91,11 @@ class Catalog:
         self._writer = engine.execution_options(kvc_write=True)
         self._ns_cache: dict[str, tuple[int, int]] = {}
         self._fp_cache: dict[str, Fingerprint] = {}
-        self._access: dict[int, tuple[int, datetime]] = {}
+        self._access: dict[tuple[str, bytes, Shard], tuple[int, datetime]] = {}
         self._access_lock = threading.Lock()
         self._access_flush_s = access_flush_s
-        self._access_last_flush = time.monotonic()
+        self._flusher: threading.Thread | None = None
+        self._closing = threading.Event()
 
     # -- opening -------------------------------------------------------------
 
@@ -122,6 +123,9 @@ class Catalog:
         return database.current_revision(self.engine)
 
     def close(self) -> None:
+        self._closing.set()
+        if self._flusher is not None:
+            self._flusher.join()
         self.flush_access()
         self.engine.dispose()
 
@@ -157,11 +161,15 @@ class Catalog:
 
     # -- namespaces, fingerprints, stores ------------------------------------
 
-    def _namespace(self, conn: sa.Connection, name: str, *, create_chunk_size: int | None = None) -> tuple[int, int] | None:
+    def _namespace(
+        self, conn: sa.Connection, name: str, *, create_chunk_size: int | None = None
+    ) -> tuple[int, int] | None:
         cached = self._ns_cache.get(name)
         if cached is not None:
             return cached
-        row = conn.execute(sa.select(Namespace.id, Namespace.chunk_size).where(Namespace.name == name)).first()
+        row = conn.execute(
+            sa.select(Namespace.id, Namespace.chunk_size).where(Namespace.name == name)
+        ).first()
         if row is None and create_chunk_size is not None:
             chain_root(name)  # validates the name
             conn.execute(
@@ -169,7 +177,9 @@ class Catalog:
                 .values(name=name, chunk_size=create_chunk_size, created_at=utcnow())
                 .on_conflict_do_nothing(index_elements=["name"])
             )
-            row = conn.execute(sa.select(Namespace.id, Namespace.chunk_size).where(Namespace.name == name)).first()
+            row = conn.execute(
+                sa.select(Namespace.id, Namespace.chunk_size).where(Namespace.name == name)
+            ).first()
         if row is None:
             return None
         self._ns_cache[name] = (row[0], row[1])
@@ -177,11 +187,13 @@ class Catalog:
 
     def ensure_namespace(self, name: str, chunk_size: int = DEFAULT_CHUNK_SIZE) -> int:
         """Create the namespace if needed; return its chunk size (fixed at creation)."""
+
         def run() -> int:
             with self._write() as conn:
                 ns = self._namespace(conn, name, create_chunk_size=chunk_size)
                 assert ns is not None
                 return ns[1]
+
         return self._retrying(run)
 
     def namespace_chunk_size(self, name: str) -> int | None:
@@ -203,6 +215,7 @@ class Catalog:
         def run() -> None:
             with self._write() as conn:
                 self._ensure_fingerprint(conn, fp)
+
         self._retrying(run)
 
     def get_fingerprint(self, fp: Fingerprint | str) -> Fingerprint | None:
@@ -210,7 +223,9 @@ class Catalog:
         if hex_ in self._fp_cache:
             return self._fp_cache[hex_]
         with self.engine.connect() as conn:
-            desc = conn.execute(sa.select(FingerprintRow.descriptor).where(FingerprintRow.hex == hex_)).scalar()
+            desc = conn.execute(
+                sa.select(FingerprintRow.descriptor).where(FingerprintRow.hex == hex_)
+            ).scalar()
         if desc is None:
             return None
         found = Fingerprint.from_descriptor(desc)
@@ -221,6 +236,7 @@ class Catalog:
         """Record a store (by its credential-free URL) so replica rows can name it."""
         if tier not in TIERS:
             raise CatalogError(f"unknown tier {tier!r}: expected one of {', '.join(TIERS)}")
+
         def run() -> None:
             with self._write() as conn:
                 conn.execute(
@@ -228,11 +244,14 @@ class Catalog:
                     .values(name=name, kind=kind, tier=tier, created_at=utcnow())
                     .on_conflict_do_nothing(index_elements=["name"])
                 )
+
         self._retrying(run)
 
     # -- publish -------------------------------------------------------------
 
-    def record_chunks(self, records: Sequence[ChunkRecord], *, actor: str | None = None) -> PublishResult:
+    def record_chunks(
+        self, records: Sequence[ChunkRecord], *, actor: str | None = None
+    ) -> PublishResult:
         """Record chunks whose bytes are durable (with receipts), parents first, in one transaction.
 
         Idempotent; a chunk whose parent is neither catalogued nor earlier in
@@ -250,7 +269,9 @@ class Catalog:
 
     def _validate_record(self, r: ChunkRecord) -> None:
         if not isinstance(r.fingerprint, Fingerprint):
-            raise PublishError("ChunkRecord.fingerprint must be a Fingerprint (its descriptor is stored)")
+            raise PublishError(
+                "ChunkRecord.fingerprint must be a Fingerprint (its descriptor is stored)"
+            )
         if len(r.prefix_hash) != 32 or len(r.parent_hash) != 32:
             raise PublishError("prefix_hash and parent_hash must be 32-byte hashes")
         if len(r.tokens) == 0:
@@ -291,7 +312,9 @@ class Catalog:
                 self._ensure_fingerprint(conn, r.fingerprint)
             # Parents: the root, a node in this batch, or a catalogued node.
             own = {r.prefix_hash: r for r in records}
-            needed = {r.parent_hash for r in records if r.token_start > 0 and r.parent_hash not in own}
+            needed = {
+                r.parent_hash for r in records if r.token_start > 0 and r.parent_hash not in own
+            }
             known = self._prefix_rows(conn, needed | set(own))
             for r in records:
                 chunk_size = ns_ids[r.namespace][1]
@@ -317,10 +340,16 @@ class Catalog:
                         f"chunk {r.prefix_hash.hex()} starts at token {r.token_start} but its parent ends at {p_start + p_count}"
                     )
             # Insert in key order so concurrent publishers lock rows in the same order.
-            new_prefixes = [r for r in sorted(own.values(), key=lambda r: r.prefix_hash) if r.prefix_hash not in known]
+            new_prefixes = [
+                r
+                for r in sorted(own.values(), key=lambda r: r.prefix_hash)
+                if r.prefix_hash not in known
+            ]
             if new_prefixes:
                 conn.execute(
-                    self._insert(conn, PrefixNode).on_conflict_do_nothing(index_elements=["prefix_hash"]),
+                    self._insert(conn, PrefixNode).on_conflict_do_nothing(
+                        index_elements=["prefix_hash"]
+                    ),
                     [
                         {
                             "prefix_hash": r.prefix_hash,
@@ -339,96 +368,175 @@ class Catalog:
                 )
             quarantined = self._quarantined(conn, list(own))
             if quarantined:
-                raise PublishError(f"prefix {sorted(quarantined)[0].hex()} is quarantined; refusing to publish under it")
-            stores_seen: set[str] = set()
-            for r in sorted(records, key=lambda r: r.prefix_hash):
-                s = r.shard
-                ident = (
-                    (Chunk.fingerprint == r.fingerprint.hex)
-                    & (Chunk.prefix_hash == r.prefix_hash)
-                    & (Chunk.layer_lo == s.layer_lo)
-                    & (Chunk.layer_hi == s.layer_hi)
-                    & (Chunk.head_lo == s.head_lo)
-                    & (Chunk.head_hi == s.head_hi)
+                raise PublishError(
+                    f"prefix {sorted(quarantined)[0].hex()} is quarantined; refusing to publish under it"
                 )
-                res = conn.execute(
-                    self._insert(conn, Chunk)
-                    .values(
-                        fingerprint=r.fingerprint.hex,
-                        prefix_hash=r.prefix_hash,
-                        layer_lo=s.layer_lo,
-                        layer_hi=s.layer_hi,
-                        head_lo=s.head_lo,
-                        head_hi=s.head_hi,
-                        blob_key=r.blob_key,
-                        codec=r.codec,
-                        stored_bytes=r.stored_bytes,
-                        kv_bytes=r.kv_bytes,
-                        state="ready",
-                        created_at=now,
-                        last_seen_at=now,
-                        last_access_at=None,
-                        access_count=0,
+            # Chunks, replicas and stores in a fixed number of statements per batch.
+            before = self._chunk_keys(conn, records)
+            fresh: dict[tuple[Any, ...], ChunkRecord] = {}
+            for r in records:
+                if _ident(r) not in before:
+                    fresh.setdefault(_ident(r), r)
+            if fresh:
+                conn.execute(
+                    self._insert(conn, Chunk).on_conflict_do_nothing(),
+                    [
+                        {
+                            "fingerprint": r.fingerprint.hex,
+                            "prefix_hash": r.prefix_hash,
+                            "layer_lo": r.shard.layer_lo,
+                            "layer_hi": r.shard.layer_hi,
+                            "head_lo": r.shard.head_lo,
+                            "head_hi": r.shard.head_hi,
+                            "blob_key": r.blob_key,
+                            "codec": r.codec,
+                            "stored_bytes": r.stored_bytes,
+                            "kv_bytes": r.kv_bytes,
+                            "state": "ready",
+                            "created_at": now,
+                            "last_seen_at": now,
+                            "last_access_at": None,
+                            "access_count": 0,
+                        }
+                        for _, r in sorted(fresh.items(), key=lambda kv: kv[1].prefix_hash)
+                    ],
+                )
+            after = self._chunk_keys(conn, records) if fresh else before
+            kept_records: list[ChunkRecord] = []
+            seen_ids: list[int] = []
+            for r in records:
+                chunk_id, kept = after[_ident(r)]
+                if kept != r.blob_key:
+                    s = r.shard
+                    conflicts.append(Conflict(r.prefix_hash, kept, r.blob_key))
+                    self._event(
+                        conn,
+                        "conflict",
+                        r.namespace,
+                        r.prefix_hash.hex(),
+                        actor,
+                        {
+                            "fingerprint": r.fingerprint.hex,
+                            "kept": kept,
+                            "rejected": r.blob_key,
+                            "shard": [s.layer_lo, s.layer_hi, s.head_lo, s.head_hi],
+                        },
                     )
-                    .on_conflict_do_nothing()
-                )
-                if res.rowcount == 1:
-                    recorded += 1
-                else:
-                    kept = conn.execute(sa.select(Chunk.blob_key).where(ident)).scalar_one()
-                    if kept != r.blob_key:
-                        conflicts.append(Conflict(r.prefix_hash, kept, r.blob_key))
-                        self._event(
-                            conn, "conflict", r.namespace, r.prefix_hash.hex(), actor,
-                            {"fingerprint": r.fingerprint.hex, "kept": kept, "rejected": r.blob_key,
-                             "shard": [s.layer_lo, s.layer_hi, s.head_lo, s.head_hi]},
-                        )
-                        continue  # the rejected bytes get no replica rows
+                    continue  # the rejected bytes get no replica rows
+                kept_records.append(r)
+                if _ident(r) in before:
                     present += 1
-                    conn.execute(sa.update(Chunk).where(ident).values(last_seen_at=now))
-                for rc in r.receipts:
-                    if rc.tier != "resident" and rc.location not in stores_seen:
-                        stores_seen.add(rc.location)
-                        conn.execute(
-                            self._insert(conn, Store)
-                            .values(name=rc.location, kind=rc.location.split(":", 1)[0], tier=rc.tier, created_at=now)
-                            .on_conflict_do_nothing(index_elements=["name"])
-                        )
-                    replicas_added += self._upsert_replica(conn, r.blob_key, rc)
+                    seen_ids.append(chunk_id)
+                else:
+                    recorded += 1
+            if seen_ids:
+                conn.execute(
+                    sa.update(Chunk).where(Chunk.id.in_(seen_ids)).values(last_seen_at=now)
+                )
+            replicas_added = self._add_replicas(
+                conn, [(r.blob_key, rc) for r in kept_records for rc in r.receipts], now
+            )
             self._event(
-                conn, "publish", records[0].namespace, records[-1].prefix_hash.hex(), actor,
-                {"chunks": len(records), "recorded": recorded, "already_present": present,
-                 "conflicts": len(conflicts), "fingerprint": records[0].fingerprint.hex},
+                conn,
+                "publish",
+                records[0].namespace,
+                records[-1].prefix_hash.hex(),
+                actor,
+                {
+                    "chunks": len(records),
+                    "recorded": recorded,
+                    "already_present": present,
+                    "conflicts": len(conflicts),
+                    "fingerprint": records[0].fingerprint.hex,
+                },
             )
         return PublishResult(recorded, present, replicas_added, tuple(conflicts))
 
-    def _upsert_replica(self, conn: sa.Connection, blob_key: str, rc: Any) -> int:
-        values = {
-            "blob_key": blob_key,
-            "location": rc.location,
-            "tier": rc.tier,
-            "state": "durable",
-            "size": rc.size,
-            "etag": rc.etag,
-            "version": rc.version,
-            "checksum": rc.checksum,
-            "stored_at": rc.stored_at,
-            "last_verified_at": rc.stored_at,
-            "worker": rc.worker,
+    def _add_replicas(
+        self, conn: sa.Connection, items: Sequence[tuple[str, Any]], now: datetime
+    ) -> int:
+        """Insert replica rows (each with its receipt); revive known-broken ones; return how many are new."""
+        if not items:
+            return 0
+        stores = sorted({rc.location: rc.tier for _, rc in items if rc.tier != "resident"}.items())
+        if stores:
+            conn.execute(
+                self._insert(conn, Store).on_conflict_do_nothing(index_elements=["name"]),
+                [
+                    {"name": n, "kind": n.split(":", 1)[0], "tier": t, "created_at": now}
+                    for n, t in stores
+                ],
+            )
+        rows: dict[tuple[str, str], dict[str, Any]] = {}
+        for key, rc in items:
+            rows[(key, rc.location)] = {
+                "blob_key": key,
+                "location": rc.location,
+                "tier": rc.tier,
+                "state": "durable",
+                "size": rc.size,
+                "etag": rc.etag,
+                "version": rc.version,
+                "checksum": rc.checksum,
+                "stored_at": rc.stored_at,
+                "last_verified_at": rc.stored_at,
+                "worker": rc.worker,
+            }
+        keys = sorted({k for k, _ in rows})
+        existing = {
+            (r.blob_key, r.location): r.state
+            for r in conn.execute(
+                sa.select(Replica.blob_key, Replica.location, Replica.state).where(
+                    Replica.blob_key.in_(keys)
+                )
+            )
         }
-        res = conn.execute(
-            self._insert(conn, Replica).values(**values).on_conflict_do_nothing(index_elements=["blob_key", "location"])
-        )
-        if res.rowcount == 1:
-            return 1
+        new = [v for k, v in sorted(rows.items()) if k not in existing]
+        if new:
+            conn.execute(
+                self._insert(conn, Replica).on_conflict_do_nothing(
+                    index_elements=["blob_key", "location"]
+                ),
+                new,
+            )
         # A fresh receipt for a replica known to be broken means the bytes were put
         # again: it is durable once more. Healthy replicas are left untouched.
-        conn.execute(
-            sa.update(Replica)
-            .where(Replica.blob_key == blob_key, Replica.location == rc.location, Replica.state.in_(("missing", "corrupt")))
-            .values(**{k: v for k, v in values.items() if k not in ("blob_key", "location")})
-        )
-        return 0
+        for k, state in existing.items():
+            if k in rows and state in ("missing", "corrupt"):
+                values = {c: v for c, v in rows[k].items() if c not in ("blob_key", "location")}
+                conn.execute(
+                    sa.update(Replica)
+                    .where(Replica.blob_key == k[0], Replica.location == k[1])
+                    .values(**values)
+                )
+        return len(new)
+
+    def _chunk_keys(
+        self, conn: sa.Connection, records: Sequence[ChunkRecord]
+    ) -> dict[tuple[Any, ...], tuple[int, str]]:
+        """(fingerprint, prefix, shard) -> (chunk id, blob key) of the catalogued chunks among `records`."""
+        rows = conn.execute(
+            sa.select(
+                Chunk.id,
+                Chunk.fingerprint,
+                Chunk.prefix_hash,
+                Chunk.layer_lo,
+                Chunk.layer_hi,
+                Chunk.head_lo,
+                Chunk.head_hi,
+                Chunk.blob_key,
+            ).where(
+                Chunk.prefix_hash.in_(sorted({r.prefix_hash for r in records})),
+                Chunk.fingerprint.in_(sorted({r.fingerprint.hex for r in records})),
+            )
+        ).all()
+        return {
+            (r.fingerprint, r.prefix_hash, r.layer_lo, r.layer_hi, r.head_lo, r.head_hi): (
+                r.id,
+                r.blob_key,
+            )
+            for r in rows
+        }
 
     def _prefix_rows(self, conn: sa.Connection, hashes: set[bytes]) -> dict[bytes, Any]:
         if not hashes:
@@ -442,23 +550,44 @@ class Catalog:
 
     def _quarantined(self, conn: sa.Connection, hashes: list[bytes]) -> set[bytes]:
         rows = conn.execute(
-            sa.select(PrefixNode.prefix_hash).where(PrefixNode.prefix_hash.in_(hashes), PrefixNode.quarantined.is_(True))
+            sa.select(PrefixNode.prefix_hash).where(
+                PrefixNode.prefix_hash.in_(hashes), PrefixNode.quarantined.is_(True)
+            )
         ).scalars()
         return set(rows)
 
-    def record_replica(self, blob_key: str, receipt: Any, *, namespace: str | None = None, actor: str | None = None) -> bool:
+    def record_replica(
+        self, blob_key: str, receipt: Any, *, namespace: str | None = None, actor: str | None = None
+    ) -> bool:
         """Add a replica (with its receipt) of a catalogued blob, e.g. after a write-behind upload."""
+
         def run() -> bool:
             with self._write() as conn:
-                exists = conn.execute(sa.select(sa.func.count()).select_from(Chunk).where(Chunk.blob_key == blob_key)).scalar_one()
+                exists = conn.execute(
+                    sa.select(sa.func.count()).select_from(Chunk).where(Chunk.blob_key == blob_key)
+                ).scalar_one()
                 if not exists:
                     raise NotFoundError(f"no catalogued chunk has blob key {blob_key}")
-                added = self._upsert_replica(conn, blob_key, receipt)
-                self._event(conn, "replica", namespace, blob_key, actor, {"location": receipt.location, "tier": receipt.tier})
+                added = self._add_replicas(conn, [(blob_key, receipt)], utcnow())
+                self._event(
+                    conn,
+                    "replica",
+                    namespace,
+                    blob_key,
+                    actor,
+                    {"location": receipt.location, "tier": receipt.tier},
+                )
                 return bool(added)
+
         return self._retrying(run)
 
-    def known_blob_keys(self, namespace: str, fingerprint: Fingerprint | str, prefix_hashes: Sequence[bytes], shard: Shard) -> dict[bytes, str]:
+    def known_blob_keys(
+        self,
+        namespace: str,
+        fingerprint: Fingerprint | str,
+        prefix_hashes: Sequence[bytes],
+        shard: Shard,
+    ) -> dict[bytes, str]:
         """Which of these prefixes already have a chunk for this fingerprint and shard (one query)."""
         fp = fingerprint_hex(fingerprint)
         if not prefix_hashes:
@@ -509,7 +638,7 @@ class Catalog:
             if ns is None or limit <= 0:
                 prefix_hashes(namespace, tokens, 1)
                 return miss
-            ns_id, cs = ns
+            _, cs = ns
             if shard is None:
                 fp = self.get_fingerprint(fp_hex)
                 if fp is None:
@@ -545,13 +674,29 @@ class Catalog:
             self._note_access([c.prefix_hash for c in chunks], fp_hex, shard)
         return result
 
-    def _chunk_query(self, fp_hex: str, shard: Shard) -> sa.Select[Any]:
+    def _chunk_query(self, fp_hex: str, shard: Shard) -> Any:
         return (
             sa.select(
-                Chunk.id, Chunk.prefix_hash, PrefixNode.parent_hash, Chunk.blob_key, PrefixNode.token_start,
-                PrefixNode.token_count, PrefixNode.tokens_be, Chunk.codec, Chunk.stored_bytes, Chunk.kv_bytes,
-                Replica.location, Replica.tier, Replica.state, Replica.size, Replica.checksum, Replica.stored_at,
-                Replica.etag, Replica.version, Replica.worker, Replica.last_verified_at,
+                Chunk.id,
+                Chunk.prefix_hash,
+                PrefixNode.parent_hash,
+                Chunk.blob_key,
+                PrefixNode.token_start,
+                PrefixNode.token_count,
+                PrefixNode.tokens_be,
+                Chunk.codec,
+                Chunk.stored_bytes,
+                Chunk.kv_bytes,
+                Replica.location,
+                Replica.tier,
+                Replica.state,
+                Replica.size,
+                Replica.checksum,
+                Replica.stored_at,
+                Replica.etag,
+                Replica.version,
+                Replica.worker,
+                Replica.last_verified_at,
             )
             .join(PrefixNode, PrefixNode.prefix_hash == Chunk.prefix_hash)
             .join(Replica, Replica.blob_key == Chunk.blob_key)
@@ -567,13 +712,19 @@ class Catalog:
             )
         )
 
-    def _chunks_for(self, conn: sa.Connection, fp_hex: str, shard: Shard, hashes: list[bytes]) -> dict[bytes, ChunkMatch]:
+    def _chunks_for(
+        self, conn: sa.Connection, fp_hex: str, shard: Shard, hashes: list[bytes]
+    ) -> dict[bytes, ChunkMatch]:
         if not hashes:
             return {}
-        rows = conn.execute(self._chunk_query(fp_hex, shard).where(Chunk.prefix_hash.in_(hashes))).all()
+        rows = conn.execute(
+            self._chunk_query(fp_hex, shard).where(Chunk.prefix_hash.in_(hashes))
+        ).all()
         return {cm.prefix_hash: cm for cm in _group(rows).values()}
 
-    def _best_sibling(self, conn: sa.Connection, fp_hex: str, shard: Shard, parent: bytes, q_be: bytes) -> tuple[ChunkMatch, bytes] | None:
+    def _best_sibling(
+        self, conn: sa.Connection, fp_hex: str, shard: Shard, parent: bytes, q_be: bytes
+    ) -> tuple[ChunkMatch, bytes] | None:
         usable = (
             sa.select(sa.literal(1))
             .select_from(Chunk)
@@ -590,52 +741,65 @@ class Catalog:
             )
             .exists()
         )
-        base = sa.select(PrefixNode.prefix_hash, PrefixNode.tokens_be).where(
+        base = sa.select(PrefixNode.prefix_hash).where(
             PrefixNode.parent_hash == parent, PrefixNode.quarantined.is_(False), usable
         )
-        # The sibling sharing the longest prefix with q is q's neighbour in token order.
-        below = base.where(PrefixNode.tokens_be <= q_be).order_by(PrefixNode.tokens_be.desc()).limit(1).subquery()
-        above = base.where(PrefixNode.tokens_be > q_be).order_by(PrefixNode.tokens_be.asc()).limit(1).subquery()
-        rows = conn.execute(sa.union_all(sa.select(below), sa.select(above))).all()
-        best: tuple[bytes, bytes] | None = None
+        # The sibling sharing the longest prefix with q is q's neighbour in token
+        # order (index on parent_hash, tokens_be): two index probes, one round trip.
+        below = (
+            base.where(PrefixNode.tokens_be <= q_be).order_by(PrefixNode.tokens_be.desc()).limit(1)
+        )
+        above = (
+            base.where(PrefixNode.tokens_be > q_be).order_by(PrefixNode.tokens_be.asc()).limit(1)
+        )
+        candidates = sa.union_all(sa.select(below.subquery()), sa.select(above.subquery()))
+        rows = conn.execute(
+            self._chunk_query(fp_hex, shard).where(
+                Chunk.prefix_hash.in_(sa.select(candidates.subquery()))
+            )
+        ).all()
+        tokens_of = {r.prefix_hash: r.tokens_be for r in rows}
+        best: tuple[ChunkMatch, bytes] | None = None
         best_len = 0
-        for h, tb in rows:
-            n = _common_prefix(q_be, tb)
+        for h, cm in sorted(_group(rows).items()):
+            n = _common_prefix(q_be, tokens_of[h])
             if n > best_len:
-                best, best_len = (h, tb), n
-        if best is None:
-            return None
-        cm = self._chunks_for(conn, fp_hex, shard, [best[0]]).get(best[0])
-        return None if cm is None else (cm, best[1])
+                best, best_len = (cm, tokens_of[h]), n
+        return best
 
     # -- access statistics (batched off the hot path) -------------------------
 
     def _note_access(self, prefixes: list[bytes], fp_hex: str, shard: Shard) -> None:
+        # Lookups never write: counts accumulate here and a background thread
+        # flushes them every `access_flush_s` (and close() flushes the rest).
         now = utcnow()
         with self._access_lock:
             for p in prefixes:
                 key = (fp_hex, p, shard)
-                count, _ = self._access_pending.get(key, (0, now))
-                self._access_pending[key] = (count + 1, now)
-            due = time.monotonic() - self._access_last_flush >= self._access_flush_s
-        if due:
-            self.flush_access()
+                n, _ = self._access.get(key, (0, now))
+                self._access[key] = (n + 1, now)
+            if self._flusher is None and not self._closing.is_set():
+                self._flusher = threading.Thread(
+                    target=self._flush_loop, name="kvc-access-flush", daemon=True
+                )
+                self._flusher.start()
 
-    @property
-    def _access_pending(self) -> dict[Any, tuple[int, datetime]]:
-        return self._access  # type: ignore[return-value]
+    def _flush_loop(self) -> None:
+        while not self._closing.wait(self._access_flush_s):
+            self.flush_access()
 
     def flush_access(self) -> None:
         """Write batched access counts and times (called periodically by lookups, and on close)."""
         with self._access_lock:
             pending, self._access = self._access, {}
-            self._access_last_flush = time.monotonic()
         if not pending:
             return
 
         def run() -> None:
             with self._write() as conn:
-                for (fp_hex, prefix, shard), (count, at) in sorted(pending.items(), key=lambda kv: kv[0][1]):
+                for (fp_hex, prefix, shard), (count, at) in sorted(
+                    pending.items(), key=lambda kv: kv[0][1]
+                ):
                     conn.execute(
                         sa.update(Chunk)
                         .where(
@@ -648,6 +812,7 @@ class Catalog:
                         )
                         .values(access_count=Chunk.access_count + count, last_access_at=at)
                     )
+
         try:
             self._retrying(run)
         except (OperationalError, DBAPIError) as exc:  # statistics must never fail a lookup
@@ -655,7 +820,15 @@ class Catalog:
 
     # -- demand ----------------------------------------------------------------
 
-    def declare_demand(self, worker: str, namespace: str, prefix_hash: bytes, *, priority: float = 1.0, ttl_s: float = 3600) -> None:
+    def declare_demand(
+        self,
+        worker: str,
+        namespace: str,
+        prefix_hash: bytes,
+        *,
+        priority: float = 1.0,
+        ttl_s: float = 3600,
+    ) -> None:
         """A worker expects to need this prefix until now + ttl (a GC root while live)."""
         from datetime import timedelta
 
@@ -666,20 +839,33 @@ class Catalog:
                     raise NotFoundError(f"no namespace {namespace!r}")
                 expires = utcnow() + timedelta(seconds=ttl_s)
                 stmt = self._insert(conn, Demand).values(
-                    worker=worker, prefix_hash=prefix_hash, namespace_id=ns[0], priority=priority, expires_at=expires
+                    worker=worker,
+                    prefix_hash=prefix_hash,
+                    namespace_id=ns[0],
+                    priority=priority,
+                    expires_at=expires,
                 )
                 conn.execute(
                     stmt.on_conflict_do_update(
-                        index_elements=["worker", "prefix_hash"], set_={"priority": priority, "expires_at": expires}
+                        index_elements=["worker", "prefix_hash"],
+                        set_={"priority": priority, "expires_at": expires},
                     )
                 )
+
         self._retrying(run)
 
     # -- refs ------------------------------------------------------------------
 
     def create_ref(
-        self, namespace: str, name: str, fingerprint: Fingerprint | str, head_hash: bytes,
-        *, pending_token: int | None = None, forked_from: str | None = None, actor: str | None = None,
+        self,
+        namespace: str,
+        name: str,
+        fingerprint: Fingerprint | str,
+        head_hash: bytes,
+        *,
+        pending_token: int | None = None,
+        forked_from: str | None = None,
+        actor: str | None = None,
     ) -> RefInfo:
         """Create a named continuation at `head_hash` (which must be catalogued in `namespace`)."""
         fp_hex = fingerprint_hex(fingerprint)
@@ -688,23 +874,43 @@ class Catalog:
         def run() -> RefInfo:
             with self._write() as conn:
                 ns_id, head = self._ref_head(conn, namespace, head_hash)
-                if conn.execute(sa.select(FingerprintRow.hex).where(FingerprintRow.hex == fp_hex)).first() is None:
+                if (
+                    conn.execute(
+                        sa.select(FingerprintRow.hex).where(FingerprintRow.hex == fp_hex)
+                    ).first()
+                    is None
+                ):
                     raise NotFoundError(f"fingerprint {fp_hex} is not catalogued")
                 now = utcnow()
                 try:
                     with conn.begin_nested():
                         conn.execute(
                             sa.insert(Ref).values(
-                                namespace_id=ns_id, name=name, fingerprint=fp_hex, head_hash=head_hash,
-                                processed=head.token_start + head.token_count, pending_token=pending_token,
-                                forked_from=forked_from, created_at=now, updated_at=now,
+                                namespace_id=ns_id,
+                                name=name,
+                                fingerprint=fp_hex,
+                                head_hash=head_hash,
+                                processed=head.token_start + head.token_count,
+                                pending_token=pending_token,
+                                forked_from=forked_from,
+                                created_at=now,
+                                updated_at=now,
                             )
                         )
                 except IntegrityError as exc:
-                    raise RefConflictError(f"ref {name!r} already exists in namespace {namespace!r}") from exc
-                self._event(conn, "ref.create", namespace, name, actor,
-                            {"head": head_hash.hex(), "forked_from": forked_from})
+                    raise RefConflictError(
+                        f"ref {name!r} already exists in namespace {namespace!r}"
+                    ) from exc
+                self._event(
+                    conn,
+                    "ref.create",
+                    namespace,
+                    name,
+                    actor,
+                    {"head": head_hash.hex(), "forked_from": forked_from},
+                )
                 return self._get_ref(conn, namespace, ns_id, name)
+
         return self._retrying(run)
 
     def _ref_head(self, conn: sa.Connection, namespace: str, head_hash: bytes) -> tuple[int, Any]:
@@ -717,15 +923,28 @@ class Catalog:
             )
         ).first()
         if head is None:
-            raise NotFoundError(f"prefix {head_hash.hex()} is not catalogued in namespace {namespace!r}")
+            raise NotFoundError(
+                f"prefix {head_hash.hex()} is not catalogued in namespace {namespace!r}"
+            )
         return ns[0], head
 
     def _get_ref(self, conn: sa.Connection, namespace: str, ns_id: int, name: str) -> RefInfo:
-        row = conn.execute(sa.select(Ref).where(Ref.namespace_id == ns_id, Ref.name == name)).first()
+        row = conn.execute(
+            sa.select(Ref).where(Ref.namespace_id == ns_id, Ref.name == name)
+        ).first()
         if row is None:
             raise NotFoundError(f"no ref {name!r} in namespace {namespace!r}")
-        return RefInfo(namespace, row.name, row.fingerprint, row.head_hash, row.processed, row.pending_token,
-                       row.forked_from, row.created_at, row.updated_at)
+        return RefInfo(
+            namespace,
+            row.name,
+            row.fingerprint,
+            row.head_hash,
+            row.processed,
+            row.pending_token,
+            row.forked_from,
+            row.created_at,
+            row.updated_at,
+        )
 
     def get_ref(self, namespace: str, name: str) -> RefInfo:
         with self.engine.connect() as conn:
@@ -739,52 +958,102 @@ class Catalog:
             ns = self._namespace(conn, namespace)
             if ns is None:
                 return []
-            rows = conn.execute(sa.select(Ref).where(Ref.namespace_id == ns[0]).order_by(Ref.name)).all()
-            return [RefInfo(namespace, r.name, r.fingerprint, r.head_hash, r.processed, r.pending_token,
-                            r.forked_from, r.created_at, r.updated_at) for r in rows]
+            rows = conn.execute(
+                sa.select(Ref).where(Ref.namespace_id == ns[0]).order_by(Ref.name)
+            ).all()
+            return [
+                RefInfo(
+                    namespace,
+                    r.name,
+                    r.fingerprint,
+                    r.head_hash,
+                    r.processed,
+                    r.pending_token,
+                    r.forked_from,
+                    r.created_at,
+                    r.updated_at,
+                )
+                for r in rows
+            ]
 
     def update_ref(
-        self, namespace: str, name: str, *, expected_head: bytes, new_head: bytes,
-        pending_token: int | None = None, actor: str | None = None,
+        self,
+        namespace: str,
+        name: str,
+        *,
+        expected_head: bytes,
+        new_head: bytes,
+        pending_token: int | None = None,
+        actor: str | None = None,
     ) -> RefInfo:
         """Move a ref from `expected_head` to `new_head`; a concurrent mover wins, this raises RefConflictError."""
+
         def run() -> RefInfo:
             with self._write() as conn:
                 ns_id, head = self._ref_head(conn, namespace, new_head)
                 res = conn.execute(
                     sa.update(Ref)
-                    .where(Ref.namespace_id == ns_id, Ref.name == name, Ref.head_hash == expected_head)
-                    .values(head_hash=new_head, processed=head.token_start + head.token_count,
-                            pending_token=pending_token, updated_at=utcnow())
+                    .where(
+                        Ref.namespace_id == ns_id, Ref.name == name, Ref.head_hash == expected_head
+                    )
+                    .values(
+                        head_hash=new_head,
+                        processed=head.token_start + head.token_count,
+                        pending_token=pending_token,
+                        updated_at=utcnow(),
+                    )
                 )
                 if res.rowcount != 1:
-                    current = conn.execute(sa.select(Ref.head_hash).where(Ref.namespace_id == ns_id, Ref.name == name)).scalar()
+                    current = conn.execute(
+                        sa.select(Ref.head_hash).where(Ref.namespace_id == ns_id, Ref.name == name)
+                    ).scalar()
                     if current is None:
                         raise NotFoundError(f"no ref {name!r} in namespace {namespace!r}")
                     raise RefConflictError(
                         f"ref {name!r} moved: expected head {expected_head.hex()[:16]}, found {current.hex()[:16]}"
                     )
-                self._event(conn, "ref.update", namespace, name, actor,
-                            {"from": expected_head.hex(), "to": new_head.hex()})
+                self._event(
+                    conn,
+                    "ref.update",
+                    namespace,
+                    name,
+                    actor,
+                    {"from": expected_head.hex(), "to": new_head.hex()},
+                )
                 return self._get_ref(conn, namespace, ns_id, name)
+
         return self._retrying(run)
 
-    def fork_ref(self, namespace: str, source: str, name: str, *, actor: str | None = None) -> RefInfo:
+    def fork_ref(
+        self, namespace: str, source: str, name: str, *, actor: str | None = None
+    ) -> RefInfo:
         """A new ref at the same head as `source`, remembering where it was forked from."""
         src = self.get_ref(namespace, source)
-        return self.create_ref(namespace, name, src.fingerprint, src.head_hash,
-                               pending_token=src.pending_token, forked_from=source, actor=actor)
+        return self.create_ref(
+            namespace,
+            name,
+            src.fingerprint,
+            src.head_hash,
+            pending_token=src.pending_token,
+            forked_from=source,
+            actor=actor,
+        )
 
     def delete_ref(self, namespace: str, name: str, *, actor: str | None = None) -> None:
         def run() -> None:
             with self._write() as conn:
                 ns = self._namespace(conn, namespace)
-                res = None if ns is None else conn.execute(
-                    sa.delete(Ref).where(Ref.namespace_id == ns[0], Ref.name == name)
+                res = (
+                    None
+                    if ns is None
+                    else conn.execute(
+                        sa.delete(Ref).where(Ref.namespace_id == ns[0], Ref.name == name)
+                    )
                 )
                 if res is None or res.rowcount != 1:
                     raise NotFoundError(f"no ref {name!r} in namespace {namespace!r}")
                 self._event(conn, "ref.delete", namespace, name, actor, {})
+
         self._retrying(run)
 
     # -- lineage and quarantine ------------------------------------------------
@@ -792,11 +1061,19 @@ class Catalog:
     def get_prefix(self, namespace: str, prefix_hash: bytes) -> PrefixInfo:
         with self.engine.connect() as conn:
             ns = self._namespace(conn, namespace)
-            row = None if ns is None else conn.execute(
-                sa.select(PrefixNode).where(PrefixNode.prefix_hash == prefix_hash, PrefixNode.namespace_id == ns[0])
-            ).first()
+            row = (
+                None
+                if ns is None
+                else conn.execute(
+                    sa.select(PrefixNode).where(
+                        PrefixNode.prefix_hash == prefix_hash, PrefixNode.namespace_id == ns[0]
+                    )
+                ).first()
+            )
         if row is None:
-            raise NotFoundError(f"prefix {prefix_hash.hex()} is not catalogued in namespace {namespace!r}")
+            raise NotFoundError(
+                f"prefix {prefix_hash.hex()} is not catalogued in namespace {namespace!r}"
+            )
         return _prefix_info(row)
 
     def lineage(self, namespace: str, prefix_hash: bytes) -> list[PrefixInfo]:
@@ -805,25 +1082,37 @@ class Catalog:
             ns = self._namespace(conn, namespace)
             if ns is None:
                 raise NotFoundError(f"no namespace {namespace!r}")
-            up = sa.select(PrefixNode.prefix_hash, PrefixNode.parent_hash).where(
-                PrefixNode.prefix_hash == prefix_hash, PrefixNode.namespace_id == ns[0]
-            ).cte("up", recursive=True)
+            up = (
+                sa.select(PrefixNode.prefix_hash, PrefixNode.parent_hash)
+                .where(PrefixNode.prefix_hash == prefix_hash, PrefixNode.namespace_id == ns[0])
+                .cte("up", recursive=True)
+            )
             up = up.union_all(
-                sa.select(PrefixNode.prefix_hash, PrefixNode.parent_hash).join(up, PrefixNode.prefix_hash == up.c.parent_hash)
+                sa.select(PrefixNode.prefix_hash, PrefixNode.parent_hash).join(
+                    up, PrefixNode.prefix_hash == up.c.parent_hash
+                )
             )
             rows = conn.execute(
-                sa.select(PrefixNode).join(up, PrefixNode.prefix_hash == up.c.prefix_hash).order_by(PrefixNode.token_start)
+                sa.select(PrefixNode)
+                .join(up, PrefixNode.prefix_hash == up.c.prefix_hash)
+                .order_by(PrefixNode.token_start)
             ).all()
         if not rows:
-            raise NotFoundError(f"prefix {prefix_hash.hex()} is not catalogued in namespace {namespace!r}")
+            raise NotFoundError(
+                f"prefix {prefix_hash.hex()} is not catalogued in namespace {namespace!r}"
+            )
         return [_prefix_info(r) for r in rows]
 
     def _descendants_cte(self, ns_id: int, prefix_hash: bytes) -> Any:
-        down = sa.select(PrefixNode.prefix_hash).where(
-            PrefixNode.prefix_hash == prefix_hash, PrefixNode.namespace_id == ns_id
-        ).cte("down", recursive=True)
+        down = (
+            sa.select(PrefixNode.prefix_hash)
+            .where(PrefixNode.prefix_hash == prefix_hash, PrefixNode.namespace_id == ns_id)
+            .cte("down", recursive=True)
+        )
         return down.union_all(
-            sa.select(PrefixNode.prefix_hash).join(down, PrefixNode.parent_hash == down.c.prefix_hash)
+            sa.select(PrefixNode.prefix_hash).join(
+                down, PrefixNode.parent_hash == down.c.prefix_hash
+            )
         )
 
     def descendants(self, namespace: str, prefix_hash: bytes) -> list[PrefixInfo]:
@@ -834,12 +1123,16 @@ class Catalog:
                 raise NotFoundError(f"no namespace {namespace!r}")
             down = self._descendants_cte(ns[0], prefix_hash)
             rows = conn.execute(
-                sa.select(PrefixNode).join(down, PrefixNode.prefix_hash == down.c.prefix_hash)
-                .where(PrefixNode.prefix_hash != prefix_hash).order_by(PrefixNode.token_start, PrefixNode.prefix_hash)
+                sa.select(PrefixNode)
+                .join(down, PrefixNode.prefix_hash == down.c.prefix_hash)
+                .where(PrefixNode.prefix_hash != prefix_hash)
+                .order_by(PrefixNode.token_start, PrefixNode.prefix_hash)
             ).all()
         return [_prefix_info(r) for r in rows]
 
-    def quarantine(self, namespace: str, prefix_hash: bytes, reason: str, *, actor: str | None = None) -> list[InvalidationDirective]:
+    def quarantine(
+        self, namespace: str, prefix_hash: bytes, reason: str, *, actor: str | None = None
+    ) -> list[InvalidationDirective]:
         """Make a node and all its descendants unrestorable at once; return one directive per replica."""
         if not reason or not reason.strip():
             raise CatalogError("a quarantine needs a reason")
@@ -847,10 +1140,18 @@ class Catalog:
         def run() -> list[InvalidationDirective]:
             with self._write() as conn:
                 ns = self._namespace(conn, namespace)
-                if ns is None or conn.execute(
-                    sa.select(PrefixNode.prefix_hash).where(PrefixNode.prefix_hash == prefix_hash, PrefixNode.namespace_id == ns[0])
-                ).first() is None:
-                    raise NotFoundError(f"prefix {prefix_hash.hex()} is not catalogued in namespace {namespace!r}")
+                if (
+                    ns is None
+                    or conn.execute(
+                        sa.select(PrefixNode.prefix_hash).where(
+                            PrefixNode.prefix_hash == prefix_hash, PrefixNode.namespace_id == ns[0]
+                        )
+                    ).first()
+                    is None
+                ):
+                    raise NotFoundError(
+                        f"prefix {prefix_hash.hex()} is not catalogued in namespace {namespace!r}"
+                    )
                 down = self._descendants_cte(ns[0], prefix_hash)
                 affected = sa.select(down.c.prefix_hash)
                 conn.execute(
@@ -860,30 +1161,78 @@ class Catalog:
                 )
                 down2 = self._descendants_cte(ns[0], prefix_hash)
                 rows = conn.execute(
-                    sa.select(Replica.location, Replica.blob_key, Replica.tier, Replica.worker, Chunk.prefix_hash)
+                    sa.select(
+                        Replica.location,
+                        Replica.blob_key,
+                        Replica.tier,
+                        Replica.worker,
+                        Chunk.prefix_hash,
+                    )
                     .join(Chunk, Chunk.blob_key == Replica.blob_key)
                     .where(Chunk.prefix_hash.in_(sa.select(down2.c.prefix_hash)))
                     .order_by(Chunk.prefix_hash, Replica.location)
                 ).all()
-                directives = [InvalidationDirective(r.location, r.blob_key, r.tier, r.worker, r.prefix_hash) for r in rows]
-                self._event(conn, "quarantine", namespace, prefix_hash.hex(), actor,
-                            {"reason": reason, "replicas": len(directives)})
+                directives = [
+                    InvalidationDirective(r.location, r.blob_key, r.tier, r.worker, r.prefix_hash)
+                    for r in rows
+                ]
+                self._event(
+                    conn,
+                    "quarantine",
+                    namespace,
+                    prefix_hash.hex(),
+                    actor,
+                    {"reason": reason, "replicas": len(directives)},
+                )
                 for d in directives:
-                    self._event(conn, "invalidate", namespace, d.blob_key, actor,
-                                {"location": d.location, "tier": d.tier, "worker": d.worker,
-                                 "prefix": d.prefix_hash.hex(), "reason": reason})
+                    self._event(
+                        conn,
+                        "invalidate",
+                        namespace,
+                        d.blob_key,
+                        actor,
+                        {
+                            "location": d.location,
+                            "tier": d.tier,
+                            "worker": d.worker,
+                            "prefix": d.prefix_hash.hex(),
+                            "reason": reason,
+                        },
+                    )
                 return directives
+
         return self._retrying(run)
 
     # -- history ---------------------------------------------------------------
 
-    def _event(self, conn: sa.Connection, kind: str, namespace: str | None, subject: str | None,
-               actor: str | None, details: dict[str, Any]) -> None:
-        conn.execute(sa.insert(Event).values(at=utcnow(), kind=kind, namespace=namespace, subject=subject,
-                                             actor=actor, details=details))
+    def _event(
+        self,
+        conn: sa.Connection,
+        kind: str,
+        namespace: str | None,
+        subject: str | None,
+        actor: str | None,
+        details: dict[str, Any],
+    ) -> None:
+        conn.execute(
+            sa.insert(Event).values(
+                at=utcnow(),
+                kind=kind,
+                namespace=namespace,
+                subject=subject,
+                actor=actor,
+                details=details,
+            )
+        )
 
-    def events(self, *, namespace: str | None = None, kind: str | None = None, since_seq: int = 0,
-               limit: int = 1000) -> list[EventInfo]:
+    def events(
+        self,
+        *,
+        namespace: str | None = None,
+        kind: str | None = None,
+        since_seq: int = 0,
+        limit: int = 1000,
+    ) -> list[EventInfo]:
         q = sa.select(Event).where(Event.seq > since_seq).order_by(Event.seq).limit(limit)
         if namespace is not None:
             q = q.where(Event.namespace == namespace)
@@ -891,17 +1240,36 @@ class Catalog:
             q = q.where(Event.kind == kind)
         with self.engine.connect() as conn:
             rows = conn.execute(q).all()
-        return [EventInfo(r.seq, r.at, r.kind, r.namespace, r.subject, r.actor, r.details) for r in rows]
+        return [
+            EventInfo(r.seq, r.at, r.kind, r.namespace, r.subject, r.actor, r.details) for r in rows
+        ]
+
+
+def _ident(r: ChunkRecord) -> tuple[Any, ...]:
+    s = r.shard
+    return (r.fingerprint.hex, r.prefix_hash, s.layer_lo, s.layer_hi, s.head_lo, s.head_hi)
 
 
 def _check_ref_name(name: str) -> None:
-    if not isinstance(name, str) or not name or len(name) > 255 or any(c in name for c in "\x00\n\r"):
+    if (
+        not isinstance(name, str)
+        or not name
+        or len(name) > 255
+        or any(c in name for c in "\x00\n\r")
+    ):
         raise CatalogError(f"invalid ref name {name!r:.80}: 1-255 printable characters")
 
 
 def _prefix_info(row: Any) -> PrefixInfo:
-    return PrefixInfo(row.prefix_hash, row.parent_hash, row.token_start, be_to_tokens(row.tokens_be), row.depth,
-                      row.quarantined, row.quarantine_reason)
+    return PrefixInfo(
+        row.prefix_hash,
+        row.parent_hash,
+        row.token_start,
+        be_to_tokens(row.tokens_be),
+        row.depth,
+        row.quarantined,
+        row.quarantine_reason,
+    )
 
 
 def _with_used(cm: ChunkMatch, used: int) -> ChunkMatch:
@@ -920,11 +1288,34 @@ def _group(rows: Sequence[Any]) -> dict[bytes, ChunkMatch]:
         r0 = rs[0]
         replicas = tuple(
             sorted(
-                (ReplicaInfo(r.location, r.tier, r.state, r.size, r.checksum, r.stored_at, r.etag, r.version,
-                             r.worker, r.last_verified_at) for r in rs),
+                (
+                    ReplicaInfo(
+                        r.location,
+                        r.tier,
+                        r.state,
+                        r.size,
+                        r.checksum,
+                        r.stored_at,
+                        r.etag,
+                        r.version,
+                        r.worker,
+                        r.last_verified_at,
+                    )
+                    for r in rs
+                ),
                 key=lambda x: (_TIER_RANK.get(x.tier, 99), x.location),
             )
         )
-        out[h] = ChunkMatch(h, r0.parent_hash, r0.blob_key, r0.token_start, r0.token_count, r0.token_count,
-                            r0.codec, r0.stored_bytes, r0.kv_bytes, replicas)
+        out[h] = ChunkMatch(
+            h,
+            r0.parent_hash,
+            r0.blob_key,
+            r0.token_start,
+            r0.token_count,
+            r0.token_count,
+            r0.codec,
+            r0.stored_bytes,
+            r0.kv_bytes,
+            replicas,
+        )
     return out

@@ -30,11 +30,15 @@ def create_engine(url: str) -> Engine:
     try:
         parsed = make_url(url)
     except ArgumentError as exc:
-        raise CatalogError(f"malformed catalog URL {url!r:.200}: expected sqlite:///PATH or postgresql+psycopg://...") from exc
+        raise CatalogError(
+            f"malformed catalog URL {url!r:.200}: expected sqlite:///PATH or postgresql+psycopg://..."
+        ) from exc
     backend = parsed.get_backend_name()
     if backend == "sqlite":
         if parsed.database in (None, "", ":memory:"):
-            raise CatalogError("an in-memory SQLite catalog would vanish on close; give a file path: sqlite:///PATH")
+            raise CatalogError(
+                "an in-memory SQLite catalog would vanish on close; give a file path: sqlite:///PATH"
+            )
         db_path = Path(parsed.database)
         if not db_path.parent.exists():
             raise CatalogError(f"directory {db_path.parent} of SQLite catalog does not exist")
@@ -67,7 +71,9 @@ def create_engine(url: str) -> Engine:
         try:
             return sa.create_engine(parsed, pool_pre_ping=True, pool_size=5, max_overflow=10)
         except (NoSuchModuleError, ImportError) as exc:
-            raise CatalogError("PostgreSQL catalogs need psycopg: pip install 'kvc[postgres]'") from exc
+            raise CatalogError(
+                "PostgreSQL catalogs need psycopg: pip install 'kvc[postgres]'"
+            ) from exc
     raise CatalogError(
         f"unsupported catalog URL scheme {parsed.drivername!r} in {safe_url(parsed)}: use sqlite:///PATH or postgresql+psycopg://..."
     )

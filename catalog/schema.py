@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, ClassVar
 
 from sqlalchemy import (
     JSON,
@@ -60,7 +60,10 @@ Hash = LargeBinary(32)
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING)
-    type_annotation_map: dict[Any, Any] = {datetime: UTCDateTime(), dict[str, Any]: JSON()}
+    type_annotation_map: ClassVar[dict[Any, Any]] = {
+        datetime: UTCDateTime(),
+        dict[str, Any]: JSON(),
+    }
 
 
 class Namespace(Base):
@@ -114,7 +117,9 @@ class Chunk(Base):
     """The KV of one (fingerprint, prefix, shard): which blob holds it, and how it is used."""
 
     __tablename__ = "chunks"
-    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
     fingerprint: Mapped[str] = mapped_column(ForeignKey("fingerprints.hex"))
     prefix_hash: Mapped[bytes] = mapped_column(ForeignKey("prefixes.prefix_hash"))
     layer_lo: Mapped[int] = mapped_column(Integer)
@@ -219,7 +224,9 @@ class Event(Base):
     """Append-only history: what happened, to what, by whom, with a monotonic sequence."""
 
     __tablename__ = "events"
-    seq: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True)
+    seq: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
     at: Mapped[datetime]
     kind: Mapped[str] = mapped_column(String(64))
     namespace: Mapped[str | None] = mapped_column(String(255))
@@ -232,4 +239,3 @@ class Event(Base):
         Index("ix_events_kind", "kind"),
         Index("ix_events_subject", "subject"),
     )
-

@@ -1,0 +1,473 @@
+"""Catalog conformance: one suite, run on SQLite and on PostgreSQL."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from catalog import chain_hash, chain_root, prefix_hashes
+from catalog.catalog import Catalog
+from catalog.errors import (
+    CatalogError,
+    NotFoundError,
+    PublishError,
+    RefConflictError,
+    SchemaVersionError,
+)
+from catalog.models import Shard
+from tests.catalog_helpers import CS, FP, FP2, chain_records, publish, receipt
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def catalog_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'catalog.db'}"
+    return str(request.getfixturevalue("postgres_url"))
+
+
+@pytest.fixture
+def cat(catalog_url: str) -> Iterator[Catalog]:
+    c = Catalog.open(catalog_url, upgrade=True)
+    c.ensure_namespace("default", CS)
+    c.ensure_namespace("other", CS)
+    yield c
+    c.close()
+
+
+def count(cat: Catalog, table: str) -> int:
+    with cat.engine.connect() as conn:
+        return int(conn.execute(sa.text(f"SELECT count(*) FROM {table}")).scalar_one())
+
+
+TOKENS = list(range(100, 114))  # 14 tokens: chunks of 4, 4, 4 and a tail of 2
+
+
+# -- publish ---------------------------------------------------------------
+
+
+def test_publish_records_everything_in_one_go(cat: Catalog) -> None:
+    recs = chain_records("default", TOKENS)
+    res = cat.record_chunks(recs)
+    assert (res.recorded, res.already_present, res.replicas_added) == (4, 0, 4)
+    assert count(cat, "prefixes") == 4 and count(cat, "chunks") == 4 and count(cat, "replicas") == 4
+    assert [e.kind for e in cat.events()] == ["publish"]
+
+
+def test_publish_is_idempotent(cat: Catalog) -> None:
+    recs = publish(cat, "default", TOKENS)
+    with cat.engine.connect() as conn:
+        seen1 = conn.execute(sa.text("SELECT max(last_seen_at) FROM chunks")).scalar_one()
+    res = cat.record_chunks(recs)
+    assert (res.recorded, res.already_present, res.replicas_added) == (0, 4, 0)
+    assert count(cat, "prefixes") == 4 and count(cat, "chunks") == 4 and count(cat, "replicas") == 4
+    with cat.engine.connect() as conn:
+        seen2 = conn.execute(sa.text("SELECT max(last_seen_at) FROM chunks")).scalar_one()
+    assert str(seen2) > str(seen1)
+
+
+def test_orphan_chunk_is_refused_and_nothing_recorded(cat: Catalog) -> None:
+    recs = chain_records("default", TOKENS, start_chunk=1)
+    with pytest.raises(PublishError, match="not catalogued"):
+        cat.record_chunks(recs)
+    assert count(cat, "prefixes") == 0 and count(cat, "chunks") == 0 and count(cat, "events") == 0
+
+
+def test_child_after_parent_in_a_later_batch(cat: Catalog) -> None:
+    recs = chain_records("default", TOKENS)
+    cat.record_chunks(recs[:2])
+    assert cat.record_chunks(recs[2:]).recorded == 2
+
+
+def test_same_chunk_with_other_bytes_keeps_the_first(cat: Catalog) -> None:
+    first = publish(cat, "default", TOKENS[:4])
+    second = chain_records("default", TOKENS[:4], salt="nondeterministic build")
+    res = cat.record_chunks(second)
+    assert len(res.conflicts) == 1
+    assert res.conflicts[0].kept_key == first[0].blob_key
+    assert res.conflicts[0].rejected_key == second[0].blob_key
+    assert count(cat, "chunks") == 1 and count(cat, "replicas") == 1
+    ev = cat.events(kind="conflict")
+    assert len(ev) == 1 and ev[0].details["kept"] == first[0].blob_key
+    assert ev[0].details["rejected"] == second[0].blob_key
+
+
+def test_replica_only_with_a_receipt(cat: Catalog) -> None:
+    recs = chain_records("default", TOKENS[:4], receipts=[])
+    with pytest.raises(PublishError, match="receipt"):
+        cat.record_chunks(recs)
+    with pytest.raises(PublishError, match="bytes"):
+        cat.record_chunks(chain_records("default", TOKENS[:4], receipts=[receipt(size=99)]))
+    assert count(cat, "chunks") == 0
+
+
+def test_inconsistent_records_are_refused(cat: Catalog) -> None:
+    from dataclasses import replace
+
+    rec = chain_records("default", TOKENS[:4])[0]
+    with pytest.raises(PublishError, match="commit"):
+        cat.record_chunks([replace(rec, tokens=[1, 2, 3, 4])])
+    with pytest.raises(PublishError, match="chain root"):
+        cat.record_chunks(
+            [replace(rec, parent_hash=bytes(32), prefix_hash=chain_hash(bytes(32), rec.tokens))]
+        )
+    with pytest.raises(CatalogError, match="exceeds"):
+        cat.record_chunks([replace(rec, shard=Shard(0, 9, 0, 2))])
+    big = chain_records("default", list(range(8)), chunk_size=8)
+    with pytest.raises(PublishError, match="chunk size"):
+        cat.record_chunks(big)
+    assert count(cat, "chunks") == 0
+
+
+def test_broken_replica_revived_by_a_new_receipt(cat: Catalog) -> None:
+    recs = publish(cat, "default", TOKENS[:4])
+    with cat.engine.begin() as conn:
+        conn.execute(sa.text("UPDATE replicas SET state = 'missing'"))
+    assert cat.lookup("default", FP, TOKENS).matched_tokens == 0
+    cat.record_chunks(recs)
+    assert cat.lookup("default", FP, TOKENS).matched_tokens == 4
+
+
+# -- lookup ----------------------------------------------------------------
+
+
+def test_lookup_full_chain_leaves_a_pending_token(cat: Catalog) -> None:
+    publish(cat, "default", TOKENS)
+    m = cat.lookup("default", FP, TOKENS)
+    assert m.matched_tokens == 13
+    assert [(c.token_start, c.tokens_used) for c in m.chunks] == [(0, 4), (4, 4), (8, 4), (12, 1)]
+    longer = cat.lookup("default", FP.hex, [*TOKENS, 7, 8])
+    assert longer.matched_tokens == 14 and longer.hit
+    assert [c.tokens_used for c in longer.chunks] == [4, 4, 4, 2]
+
+
+def test_lookup_divergence_inside_a_chunk(cat: Catalog) -> None:
+    publish(cat, "default", TOKENS)
+    query = [*TOKENS[:6], 999, 998, 997]
+    m = cat.lookup("default", FP, query)
+    assert m.matched_tokens == 6
+    assert [(c.token_start, c.tokens_used) for c in m.chunks] == [(0, 4), (4, 2)]
+
+
+def test_lookup_picks_the_sibling_sharing_most_tokens(cat: Catalog) -> None:
+    base = TOKENS[:4]
+    for tail in ([1, 2, 3, 4], [1, 2, 9, 9], [1, 5, 5, 5], [7, 7, 7, 7], [1, 2, 3]):
+        publish(cat, "default", base + tail)
+    m = cat.lookup("default", FP, [*base, 1, 2, 3, 8, 0, 0])
+    assert m.matched_tokens == 7
+    assert m.chunks[-1].tokens_used == 3
+    got = m.chunks[-1].prefix_hash
+    assert got in {
+        chain_hash(m.chunks[0].prefix_hash, [1, 2, 3, 4]),
+        chain_hash(m.chunks[0].prefix_hash, [1, 2, 3]),
+    }
+    m2 = cat.lookup("default", FP, [*base, 1, 2, 9, 0])
+    assert m2.matched_tokens == 7 and m2.chunks[-1].prefix_hash == chain_hash(
+        m.chunks[0].prefix_hash, [1, 2, 9, 9]
+    )
+
+
+def test_lookup_uses_a_stored_tail(cat: Catalog) -> None:
+    publish(cat, "default", TOKENS)  # tail [112, 113]
+    m = cat.lookup("default", FP, [*TOKENS, 5, 6, 7])
+    assert m.matched_tokens == 14 and m.chunks[-1].token_count == 2
+
+
+def test_lookup_stops_at_unusable_or_quarantined_nodes(cat: Catalog) -> None:
+    recs = publish(cat, "default", TOKENS)
+    with cat.engine.begin() as conn:
+        conn.execute(
+            sa.update(sa.table("replicas", sa.column("state"), sa.column("blob_key")))
+            .where(sa.column("blob_key") == recs[2].blob_key)
+            .values(state="corrupt")
+        )
+    assert cat.lookup("default", FP, TOKENS).matched_tokens == 8
+    cat.quarantine("default", recs[1].prefix_hash, "bad kernel")
+    assert cat.lookup("default", FP, TOKENS).matched_tokens == 4
+
+
+def test_lookup_is_per_fingerprint_shard_and_namespace(cat: Catalog) -> None:
+    publish(cat, "default", TOKENS)
+    assert cat.lookup("default", FP2, TOKENS).matched_tokens == 0
+    assert cat.lookup("other", FP, TOKENS).matched_tokens == 0
+    assert cat.lookup("nowhere", FP, TOKENS).matched_tokens == 0
+    assert cat.lookup("default", FP, TOKENS, shard=Shard(0, 1, 0, 2)).matched_tokens == 0
+    publish(cat, "default", TOKENS, shard=Shard(0, 1, 0, 2))
+    assert cat.lookup("default", FP, TOKENS, shard=Shard(0, 1, 0, 2)).matched_tokens == 13
+
+
+def test_lookup_max_tokens_and_bad_input(cat: Catalog) -> None:
+    publish(cat, "default", TOKENS)
+    m = cat.lookup("default", FP, TOKENS, max_tokens=6)
+    assert m.matched_tokens == 6 and [c.tokens_used for c in m.chunks] == [4, 2]
+    assert cat.lookup("default", FP, TOKENS[:1]).matched_tokens == 0
+    with pytest.raises(CatalogError, match="empty"):
+        cat.lookup("default", FP, [])
+    with pytest.raises(CatalogError, match="malformed fingerprint"):
+        cat.lookup("default", "nothex", TOKENS)
+    with pytest.raises(CatalogError, match="range"):
+        cat.lookup("default", FP, [1, -5, 3])
+
+
+def test_replicas_best_tier_first_and_unusable_hidden(cat: Catalog) -> None:
+    recs = chain_records(
+        "default",
+        TOKENS[:4],
+        receipts=[
+            receipt("s3://b/p", "object"),
+            receipt("file:///l", "local"),
+            receipt("worker:w1", "resident", worker="w1"),
+            receipt("s3://b2/p", "object"),
+        ],
+    )
+    cat.record_chunks(recs)
+    with cat.engine.begin() as conn:
+        conn.execute(sa.text("UPDATE replicas SET state = 'corrupt' WHERE location = 's3://b2/p'"))
+    m = cat.lookup("default", FP, [*TOKENS[:4], 0])
+    assert [r.location for r in m.chunks[0].replicas] == ["worker:w1", "file:///l", "s3://b/p"]
+
+
+def _count_statements(cat: Catalog, fn: object) -> int:
+    n = 0
+
+    def before(_conn: object, _cursor: object, statement: str, *_: object) -> None:
+        nonlocal n
+        if statement.strip().upper() not in ("BEGIN", "BEGIN IMMEDIATE", "COMMIT", "ROLLBACK"):
+            n += 1
+
+    sa.event.listen(cat.engine, "before_cursor_execute", before)
+    try:
+        fn()  # type: ignore[operator]
+    finally:
+        sa.event.remove(cat.engine, "before_cursor_execute", before)
+    return n
+
+
+def test_lookup_round_trips_are_constant(cat: Catalog) -> None:
+    long = list(range(1000, 1000 + 40 * CS + 3))
+    publish(cat, "default", long)
+    cat.lookup("default", FP, long)  # warm the namespace and fingerprint caches
+    short_n = _count_statements(cat, lambda: cat.lookup("default", FP, long[:10]))
+    long_n = _count_statements(cat, lambda: cat.lookup("default", FP, long))
+    div_n = _count_statements(cat, lambda: cat.lookup("default", FP, [*long[:130], 5, 5, 5]))
+    assert cat.lookup("default", FP, long).matched_tokens == len(long) - 1
+    assert long_n <= 2 and short_n <= 2 and div_n <= 2
+
+
+@pytest.mark.slow
+def test_ten_thousand_siblings(cat: Catalog) -> None:
+    base = TOKENS[:4]
+    recs = chain_records("default", base)
+    for i in range(10_000):
+        recs += chain_records("default", [*base, 5, i // 100, i % 100, 7], start_chunk=1)
+    for i in range(0, len(recs), 2000):
+        cat.record_chunks(recs[i : i + 2000])
+    assert count(cat, "chunks") == 10_001
+    n = _count_statements(cat, lambda: cat.lookup("default", FP, [*base, 5, 42, 17, 9, 0]))
+    m = cat.lookup("default", FP, [*base, 5, 42, 17, 9, 0])
+    assert m.matched_tokens == 7 and n <= 2
+    exact = cat.lookup("default", FP, [*base, 5, 42, 17, 7, 0])
+    assert exact.matched_tokens == 8
+
+
+def test_access_is_batched_then_recorded(cat: Catalog) -> None:
+    publish(cat, "default", TOKENS)
+    for _ in range(3):
+        cat.lookup("default", FP, TOKENS)
+    cat.flush_access()
+    with cat.engine.connect() as conn:
+        counts = (
+            conn.execute(sa.text("SELECT access_count FROM chunks ORDER BY access_count"))
+            .scalars()
+            .all()
+        )
+        last = conn.execute(
+            sa.text("SELECT count(*) FROM chunks WHERE last_access_at IS NOT NULL")
+        ).scalar_one()
+    assert counts == [3, 3, 3, 3] and last == 4
+
+
+# -- refs, lineage, quarantine ---------------------------------------------
+
+
+def test_refs_like_branches(cat: Catalog) -> None:
+    recs = publish(cat, "default", TOKENS)
+    heads = [r.prefix_hash for r in recs]
+    ref = cat.create_ref("default", "main", FP, heads[1], pending_token=42)
+    assert (ref.processed, ref.pending_token, ref.head_hash) == (8, 42, heads[1])
+    assert cat.get_ref("default", "main") == ref
+    with pytest.raises(RefConflictError, match="exists"):
+        cat.create_ref("default", "main", FP, heads[0])
+    moved = cat.update_ref(
+        "default", "main", expected_head=heads[1], new_head=heads[3], pending_token=7
+    )
+    assert moved.processed == 14 and moved.pending_token == 7
+    with pytest.raises(RefConflictError, match="moved"):
+        cat.update_ref("default", "main", expected_head=heads[1], new_head=heads[2])
+    fork = cat.fork_ref("default", "main", "experiment")
+    assert fork.forked_from == "main" and fork.head_hash == heads[3]
+    assert [r.name for r in cat.list_refs("default")] == ["experiment", "main"]
+    assert cat.list_refs("other") == []
+    cat.delete_ref("default", "experiment")
+    with pytest.raises(NotFoundError):
+        cat.get_ref("default", "experiment")
+    with pytest.raises(NotFoundError):
+        cat.delete_ref("default", "experiment")
+    with pytest.raises(NotFoundError):
+        cat.get_ref("other", "main")  # another namespace sees nothing
+    with pytest.raises(NotFoundError, match="not catalogued"):
+        cat.create_ref("other", "x", FP, heads[0])
+    kinds = [e.kind for e in cat.events(namespace="default")]
+    assert kinds.count("ref.create") == 2 and "ref.update" in kinds and "ref.delete" in kinds
+
+
+def test_concurrent_compare_and_swap_has_one_winner(cat: Catalog) -> None:
+    recs = publish(cat, "default", TOKENS)
+    heads = [r.prefix_hash for r in recs]
+    cat.create_ref("default", "main", FP, heads[0])
+    results: list[str] = []
+    barrier = threading.Barrier(4)
+
+    def mover(target: bytes) -> None:
+        barrier.wait()
+        try:
+            cat.update_ref("default", "main", expected_head=heads[0], new_head=target)
+            results.append("won")
+        except RefConflictError:
+            results.append("lost")
+
+    threads = [threading.Thread(target=mover, args=(heads[i],)) for i in (1, 2, 3, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == ["lost", "lost", "lost", "won"]
+
+
+def test_lineage_and_descendants(cat: Catalog) -> None:
+    recs = publish(cat, "default", TOKENS)
+    publish(cat, "default", [*TOKENS[:8], 1, 2, 3, 4])
+    lin = cat.lineage("default", recs[3].prefix_hash)
+    assert [p.prefix_hash for p in lin] == [r.prefix_hash for r in recs]
+    assert lin[0].parent_hash == chain_root("default") and lin[-1].tokens == (112, 113)
+    desc = cat.descendants("default", recs[1].prefix_hash)
+    assert len(desc) == 3 and recs[1].prefix_hash not in {d.prefix_hash for d in desc}
+    with pytest.raises(NotFoundError):
+        cat.lineage("other", recs[3].prefix_hash)
+
+
+def test_quarantine_subtree_with_directives(cat: Catalog) -> None:
+    recs = chain_records(
+        "default",
+        TOKENS,
+        receipts=[receipt("file:///l", "local"), receipt("worker:w9", "resident", worker="w9")],
+    )
+    cat.record_chunks(recs)
+    dirs = cat.quarantine("default", recs[2].prefix_hash, "numerics drift", actor="ops")
+    assert {(d.blob_key, d.location) for d in dirs} == {
+        (r.blob_key, loc) for r in recs[2:] for loc in ("file:///l", "worker:w9")
+    }
+    assert any(d.worker == "w9" and d.tier == "resident" for d in dirs)
+    assert len(cat.events(kind="invalidate")) == 4
+    q = cat.events(kind="quarantine")[0]
+    assert q.actor == "ops" and q.details["reason"] == "numerics drift"
+    assert cat.get_prefix("default", recs[3].prefix_hash).quarantined
+    assert not cat.get_prefix("default", recs[1].prefix_hash).quarantined
+    assert cat.lookup("default", FP, TOKENS).matched_tokens == 8
+    with pytest.raises(PublishError, match="quarantined"):
+        cat.record_chunks(recs)
+    with pytest.raises(NotFoundError):
+        cat.quarantine("other", recs[0].prefix_hash, "x")
+
+
+def test_namespaces_share_nothing(cat: Catalog) -> None:
+    a = publish(cat, "default", TOKENS)
+    b = publish(cat, "other", TOKENS)
+    assert {r.prefix_hash for r in a}.isdisjoint({r.prefix_hash for r in b})
+    assert prefix_hashes("default", TOKENS, CS) == [r.prefix_hash for r in a]
+
+
+def test_demand_upserts(cat: Catalog) -> None:
+    recs = publish(cat, "default", TOKENS[:4])
+    cat.declare_demand("w1", "default", recs[0].prefix_hash, priority=2.0, ttl_s=60)
+    cat.declare_demand("w1", "default", recs[0].prefix_hash, priority=3.0, ttl_s=60)
+    assert count(cat, "demand") == 1
+    with pytest.raises(NotFoundError):
+        cat.declare_demand("w1", "nowhere", recs[0].prefix_hash)
+
+
+# -- schema ----------------------------------------------------------------
+
+
+def test_older_or_missing_schema_is_refused(catalog_url: str) -> None:
+    with pytest.raises(SchemaVersionError, match="kvc db upgrade"):
+        Catalog.open(catalog_url)
+    c = Catalog.open(catalog_url, upgrade=True)
+    with c.engine.begin() as conn:
+        conn.execute(sa.text("UPDATE alembic_version SET version_num = '0000'"))
+    c.close()
+    with pytest.raises(SchemaVersionError, match=r"0000.*kvc db upgrade"):
+        Catalog.open(catalog_url)
+
+
+def test_upgrade_from_empty_and_downgrade_to_empty(catalog_url: str) -> None:
+    from catalog import database
+
+    engine = database.create_engine(catalog_url)
+    database.upgrade(engine)
+    insp = sa.inspect(engine)
+    tables = set(insp.get_table_names())
+    assert {
+        "namespaces",
+        "fingerprints",
+        "prefixes",
+        "chunks",
+        "stores",
+        "replicas",
+        "refs",
+        "demand",
+        "events",
+    } <= tables
+    assert {"v_chunks", "v_replica_health", "v_namespace_usage", "v_continuation_heads"} <= set(
+        insp.get_view_names()
+    )
+    database.downgrade(engine, "base")
+    insp = sa.inspect(engine)
+    assert set(insp.get_table_names()) <= {"alembic_version"}
+    assert insp.get_view_names() == []
+    database.upgrade(engine)
+    assert database.current_revision(engine) == database.head_revision()
+    engine.dispose()
+
+
+def test_models_and_migrations_agree(catalog_url: str) -> None:
+    from alembic.autogenerate import compare_metadata
+    from alembic.runtime.migration import MigrationContext
+
+    from catalog import database
+    from catalog.schema import Base
+
+    engine = database.create_engine(catalog_url)
+    database.upgrade(engine)
+    with engine.connect() as conn:
+        diff = compare_metadata(
+            MigrationContext.configure(conn, opts={"compare_type": True}), Base.metadata
+        )
+    engine.dispose()
+    assert diff == []
+
+
+def test_bad_urls(tmp_path: Path) -> None:
+    with pytest.raises(CatalogError, match="unsupported catalog URL"):
+        Catalog.open("mysql://u:secret@h/db")
+    with pytest.raises(CatalogError, match="malformed"):
+        Catalog.open("not a url")
+    with pytest.raises(CatalogError, match="does not exist"):
+        Catalog.open(f"sqlite:///{tmp_path}/missing/dir/c.db")
+    try:
+        Catalog.open("mysql://u:secret@h/db")
+    except CatalogError as exc:
+        assert "secret" not in str(exc)
