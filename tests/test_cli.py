@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,11 +11,13 @@ from pathlib import Path
 from kvc import __version__
 
 
-def _kvc(*args: str) -> subprocess.CompletedProcess[str]:
+def _kvc(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     # The console script installed beside this interpreter, as a user would run it.
     exe = Path(sys.executable).parent / "kvc"
     assert exe.exists(), f"console script not installed at {exe}"
-    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=60)
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("KVC_")}
+    full_env.update(env or {})
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=60, env=full_env)
 
 
 def test_version() -> None:
@@ -32,3 +36,30 @@ def test_unknown_command_is_usage_error() -> None:
     out = _kvc("no-such-command")
     assert out.returncode == 2
     assert "No such command" in out.stderr
+
+
+def test_db_upgrade_and_current(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    out = _kvc("db", "current", "--catalog", url, "--json")
+    assert out.returncode == 1
+    doc = json.loads(out.stdout)
+    assert doc["current"] is None and doc["up_to_date"] is False
+    up = _kvc("db", "upgrade", "--catalog", url)
+    assert up.returncode == 0 and "-> 0001" in up.stdout
+    again = _kvc("db", "upgrade", "--catalog", url, "--json")
+    assert again.returncode == 0 and json.loads(again.stdout)["from"] == "0001"
+    cur = _kvc("db", "current", "--json", env={"KVC_CATALOG_URL": url})
+    assert cur.returncode == 0 and json.loads(cur.stdout)["up_to_date"] is True
+
+
+def test_db_errors_are_one_line_without_traceback(tmp_path: Path) -> None:
+    out = _kvc("db", "current", "--catalog", "mysql://u:hunter2@h/db")
+    assert out.returncode == 2
+    assert out.stderr.startswith("kvc: error:") and "Traceback" not in out.stderr
+    assert "hunter2" not in out.stderr
+
+
+def test_default_home(tmp_path: Path) -> None:
+    out = _kvc("db", "upgrade", env={"KVC_HOME": str(tmp_path / "home")})
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "home" / "catalog.db").exists()
