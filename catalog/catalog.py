@@ -18,7 +18,14 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from catalog import database
 from catalog.errors import CatalogError, NotFoundError, PublishError, RefConflictError
-from catalog.identity import Fingerprint, chain_hash, chain_root, fingerprint_hex
+from catalog.identity import (
+    Fingerprint,
+    chain_hash,
+    chain_root,
+    fingerprint_hex,
+    prefix_hashes,
+    token_array,
+)
 from catalog.models import (
     TIERS,
     USABLE_STATES,
@@ -91,7 +98,7 @@ class Catalog:
         self._writer = engine.execution_options(kvc_write=True)
         self._ns_cache: dict[str, tuple[int, int]] = {}
         self._fp_cache: dict[str, Fingerprint] = {}
-        self._access: dict[tuple[str, bytes, Shard], tuple[int, datetime]] = {}
+        self._access: list[tuple[str, Shard, list[bytes], datetime]] = []
         self._access_lock = threading.Lock()
         self._access_flush_s = access_flush_s
         self._flusher: threading.Thread | None = None
@@ -617,73 +624,81 @@ class Catalog:
     ) -> Match:
         """The longest restorable prefix of `tokens` (at most len - 1) and the chunks covering it.
 
-        Three round trips at most, whatever the prompt length: the namespace
-        (cached), every full chunk of the prompt at once, then the best partial
-        sibling where the chain ends.
+        Two round trips at most, whatever the prompt length: every full chunk
+        of the prompt at once, then the best partial sibling where the chain
+        ends (namespaces and fingerprints are cached: they never change).
+        Pass tokens as a uint32 numpy array to skip converting a list.
         """
         fp_hex = fingerprint_hex(fingerprint)
-        tok = np.asarray(tokens)
-        from catalog.identity import prefix_hashes  # validates tokens with clear errors
-
-        if tok.ndim != 1 or tok.size == 0:
-            prefix_hashes(namespace, tokens, 1)  # raises the identity error for bad tokens
-        miss = Match(namespace, fp_hex, shard, int(tok.size))
-        limit = int(tok.size) - 1
+        tok = token_array(tokens)  # validates, with clear errors
+        chain_root(namespace)
+        n = int(tok.size)
+        limit = n - 1
         if max_tokens is not None:
-            if max_tokens < 0:
-                raise CatalogError("max_tokens must be >= 0")
+            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+                raise CatalogError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
             limit = min(limit, max_tokens)
+        miss = Match(namespace, fp_hex, shard, n)
+        if limit <= 0:
+            return miss
         with self.engine.connect() as conn:
             ns = self._namespace(conn, namespace)
-            if ns is None or limit <= 0:
-                prefix_hashes(namespace, tokens, 1)
+            if ns is None:
                 return miss
-            _, cs = ns
+            cs = ns[1]
             if shard is None:
-                fp = self.get_fingerprint(fp_hex)
+                fp = self._fingerprint(conn, fp_hex)
                 if fp is None:
                     return miss
                 shard = Shard.full(fp.layout)
-            hashes = prefix_hashes(namespace, tokens, cs)
-            full = [h for i, h in enumerate(hashes) if (i + 1) * cs <= tok.size and i * cs < limit]
+            # Full chunks that can serve at least one position below the limit.
+            n_full = min(n // cs, -(-limit // cs))
+            full = prefix_hashes(namespace, tok, cs, max_chunks=n_full) if n_full else []
             found = self._chunks_for(conn, fp_hex, shard, full)
             chunks: list[ChunkMatch] = []
             matched = 0
             parent = chain_root(namespace)
             for i, h in enumerate(full):
-                cm = found.get(h)
-                if cm is None:
+                row = found.get(h)
+                if row is None:
                     break
                 used = min(cs, limit - i * cs)
-                chunks.append(_with_used(cm, used))
+                chunks.append(_chunk_match(row, used))
                 matched = i * cs + used
                 parent = h
                 if used < cs:
                     break
-            if matched < limit and (not chunks or chunks[-1].tokens_used == cs):
-                q = tok[matched : matched + cs]
-                partial = self._best_sibling(conn, fp_hex, shard, parent, tokens_to_be(q))
+            if matched < limit and matched % cs == 0:
+                q_be = tok[matched : matched + cs].astype(">u4").tobytes()
+                partial = self._best_sibling(conn, fp_hex, shard, parent, q_be)
                 if partial is not None:
-                    shared = _common_prefix(tokens_to_be(q), partial[1])
-                    used = min(shared, limit - matched)
-                    if used > 0:
-                        chunks.append(_with_used(partial[0], used))
-                        matched += used
-        result = Match(namespace, fp_hex, shard, int(tok.size), matched, tuple(chunks))
+                    used = min(partial[1], limit - matched)
+                    chunks.append(_chunk_match(partial[0], used))
+                    matched += used
         if chunks:
             self._note_access([c.prefix_hash for c in chunks], fp_hex, shard)
-        return result
+        return Match(namespace, fp_hex, shard, n, matched, tuple(chunks))
 
-    def _chunk_query(self, fp_hex: str, shard: Shard) -> Any:
+    def _fingerprint(self, conn: sa.Connection, hex_: str) -> Fingerprint | None:
+        found = self._fp_cache.get(hex_)
+        if found is None:
+            desc = conn.execute(
+                sa.select(FingerprintRow.descriptor).where(FingerprintRow.hex == hex_)
+            ).scalar()
+            if desc is None:
+                return None
+            found = self._fp_cache[hex_] = Fingerprint.from_descriptor(desc)
+        return found
+
+    def _chunk_query(self, fp_hex: str, shard: Shard, *extra: Any) -> Any:
+        # Only what a restore needs: receipts stay in the replicas table.
         return (
             sa.select(
-                Chunk.id,
                 Chunk.prefix_hash,
                 PrefixNode.parent_hash,
                 Chunk.blob_key,
                 PrefixNode.token_start,
                 PrefixNode.token_count,
-                PrefixNode.tokens_be,
                 Chunk.codec,
                 Chunk.stored_bytes,
                 Chunk.kv_bytes,
@@ -691,12 +706,8 @@ class Catalog:
                 Replica.tier,
                 Replica.state,
                 Replica.size,
-                Replica.checksum,
-                Replica.stored_at,
-                Replica.etag,
-                Replica.version,
                 Replica.worker,
-                Replica.last_verified_at,
+                *extra,
             )
             .join(PrefixNode, PrefixNode.prefix_hash == Chunk.prefix_hash)
             .join(Replica, Replica.blob_key == Chunk.blob_key)
@@ -714,17 +725,38 @@ class Catalog:
 
     def _chunks_for(
         self, conn: sa.Connection, fp_hex: str, shard: Shard, hashes: list[bytes]
-    ) -> dict[bytes, ChunkMatch]:
+    ) -> dict[bytes, _ChunkRow]:
         if not hashes:
             return {}
-        rows = conn.execute(
-            self._chunk_query(fp_hex, shard).where(Chunk.prefix_hash.in_(hashes))
-        ).all()
-        return {cm.prefix_hash: cm for cm in _group(rows).values()}
+        # The hot query of a lookup, as plain driver SQL: with hundreds of
+        # hashes, building and expanding a SQLAlchemy IN costs more than the
+        # query itself. PostgreSQL takes the hashes as one bytea[] parameter.
+        where = " AND ".join(
+            [
+                "c.fingerprint = {p}",
+                "c.layer_lo = {p}",
+                "c.layer_hi = {p}",
+                "c.head_lo = {p}",
+                "c.head_hi = {p}",
+                "c.state = 'ready'",
+                "p.quarantined = {false}",
+                "r.state IN ('durable', 'ready')",
+            ]
+        )
+        params: tuple[Any, ...]
+        ident = (fp_hex, shard.layer_lo, shard.layer_hi, shard.head_lo, shard.head_hi)
+        if conn.dialect.name == "sqlite":
+            marks = ",".join("?" * len(hashes))
+            sql = _HOT_SQL.format(hashes=f"IN ({marks})", where=where.format(p="?", false="0"))
+            params = (*hashes, *ident)
+        else:
+            sql = _HOT_SQL.format(hashes="= ANY(%s)", where=where.format(p="%s", false="false"))
+            params = (hashes, *ident)
+        return _group(conn.exec_driver_sql(sql, params).all())
 
     def _best_sibling(
         self, conn: sa.Connection, fp_hex: str, shard: Shard, parent: bytes, q_be: bytes
-    ) -> tuple[ChunkMatch, bytes] | None:
+    ) -> tuple[_ChunkRow, int] | None:
         usable = (
             sa.select(sa.literal(1))
             .select_from(Chunk)
@@ -754,30 +786,25 @@ class Catalog:
         )
         candidates = sa.union_all(sa.select(below.subquery()), sa.select(above.subquery()))
         rows = conn.execute(
-            self._chunk_query(fp_hex, shard).where(
+            self._chunk_query(fp_hex, shard, PrefixNode.tokens_be).where(
                 Chunk.prefix_hash.in_(sa.select(candidates.subquery()))
             )
         ).all()
         tokens_of = {r.prefix_hash: r.tokens_be for r in rows}
-        best: tuple[ChunkMatch, bytes] | None = None
-        best_len = 0
-        for h, cm in sorted(_group(rows).items()):
-            n = _common_prefix(q_be, tokens_of[h])
-            if n > best_len:
-                best, best_len = (cm, tokens_of[h]), n
+        best: tuple[_ChunkRow, int] | None = None
+        for h, row in sorted(_group(rows).items()):
+            shared = _common_prefix(q_be, tokens_of[h])
+            if shared > (best[1] if best else 0):
+                best = (row, shared)
         return best
 
     # -- access statistics (batched off the hot path) -------------------------
 
     def _note_access(self, prefixes: list[bytes], fp_hex: str, shard: Shard) -> None:
-        # Lookups never write: counts accumulate here and a background thread
-        # flushes them every `access_flush_s` (and close() flushes the rest).
-        now = utcnow()
+        # Lookups never write: they append here and a background thread folds
+        # and flushes every `access_flush_s` (close() flushes the rest).
         with self._access_lock:
-            for p in prefixes:
-                key = (fp_hex, p, shard)
-                n, _ = self._access.get(key, (0, now))
-                self._access[key] = (n + 1, now)
+            self._access.append((fp_hex, shard, prefixes, utcnow()))
             if self._flusher is None and not self._closing.is_set():
                 self._flusher = threading.Thread(
                     target=self._flush_loop, name="kvc-access-flush", daemon=True
@@ -791,9 +818,14 @@ class Catalog:
     def flush_access(self) -> None:
         """Write batched access counts and times (called periodically by lookups, and on close)."""
         with self._access_lock:
-            pending, self._access = self._access, {}
-        if not pending:
+            noted, self._access = self._access, []
+        if not noted:
             return
+        pending: dict[tuple[str, bytes, Shard], tuple[int, datetime]] = {}
+        for fp_hex, shard, prefixes, at in noted:
+            for p in prefixes:
+                n, _ = pending.get((fp_hex, p, shard), (0, at))
+                pending[(fp_hex, p, shard)] = (n + 1, at)
 
         def run() -> None:
             with self._write() as conn:
@@ -1272,50 +1304,35 @@ def _prefix_info(row: Any) -> PrefixInfo:
     )
 
 
-def _with_used(cm: ChunkMatch, used: int) -> ChunkMatch:
-    from dataclasses import replace
-
-    return replace(cm, tokens_used=used)
+# A chunk row of a lookup and its usable replicas, best tier first.
+_ChunkRow = tuple[Any, tuple[ReplicaInfo, ...]]
 
 
-def _group(rows: Sequence[Any]) -> dict[bytes, ChunkMatch]:
-    """Fold chunk x replica rows into one ChunkMatch per chunk, replicas best tier first."""
-    by_chunk: dict[bytes, list[Any]] = {}
+def _chunk_match(row: _ChunkRow, used: int) -> ChunkMatch:
+    r, replicas = row
+    return ChunkMatch(r[0], r[1], r[2], r[3], r[4], used, r[5], r[6], r[7], replicas)
+
+
+def _group(rows: Sequence[Any]) -> dict[bytes, _ChunkRow]:
+    """Fold chunk x replica rows into one entry per chunk, replicas best tier first."""
+    out: dict[bytes, _ChunkRow] = {}
     for r in rows:
-        by_chunk.setdefault(r.prefix_hash, []).append(r)
-    out: dict[bytes, ChunkMatch] = {}
-    for h, rs in by_chunk.items():
-        r0 = rs[0]
-        replicas = tuple(
-            sorted(
-                (
-                    ReplicaInfo(
-                        r.location,
-                        r.tier,
-                        r.state,
-                        r.size,
-                        r.checksum,
-                        r.stored_at,
-                        r.etag,
-                        r.version,
-                        r.worker,
-                        r.last_verified_at,
-                    )
-                    for r in rs
-                ),
-                key=lambda x: (_TIER_RANK.get(x.tier, 99), x.location),
-            )
-        )
-        out[h] = ChunkMatch(
-            h,
-            r0.parent_hash,
-            r0.blob_key,
-            r0.token_start,
-            r0.token_count,
-            r0.token_count,
-            r0.codec,
-            r0.stored_bytes,
-            r0.kv_bytes,
-            replicas,
-        )
+        h = r[0]
+        rep = ReplicaInfo(r[8], r[9], r[10], r[11], r[12])
+        prev = out.get(h)
+        if prev is None:
+            out[h] = (r, (rep,))
+        else:
+            reps = sorted((*prev[1], rep), key=lambda x: (_TIER_RANK.get(x.tier, 99), x.location))
+            out[h] = (prev[0], tuple(reps))
     return out
+
+
+# Columns in the order of Catalog._chunk_query (the rows _group folds).
+_HOT_SQL = (
+    "SELECT c.prefix_hash, p.parent_hash, c.blob_key, p.token_start, p.token_count, c.codec,"
+    " c.stored_bytes, c.kv_bytes, r.location, r.tier, r.state, r.size, r.worker"
+    " FROM chunks c JOIN prefixes p ON p.prefix_hash = c.prefix_hash"
+    " JOIN replicas r ON r.blob_key = c.blob_key"
+    " WHERE c.prefix_hash {hashes} AND {where}"
+)

@@ -184,7 +184,14 @@ def chain_root(namespace: str) -> bytes:
     return blake3.blake3(ROOT_DOMAIN + namespace.encode("utf-8")).digest()
 
 
-def _token_bytes(tokens: Sequence[int] | np.ndarray[Any, Any]) -> bytes:
+def token_array(
+    tokens: Sequence[int] | np.ndarray[Any, Any],
+) -> np.ndarray[Any, np.dtype[np.uint32]]:
+    """Validate token ids and return them as a little-endian uint32 array (no copy when already one)."""
+    if isinstance(tokens, np.ndarray) and tokens.dtype == np.dtype("<u4") and tokens.ndim == 1:
+        if tokens.size == 0:
+            raise IdentityError("tokens must not be empty")
+        return tokens
     if isinstance(tokens, str | bytes | bytearray):
         raise IdentityError("tokens must be a sequence of integer token ids, not a string or bytes")
     try:
@@ -204,10 +211,16 @@ def _token_bytes(tokens: Sequence[int] | np.ndarray[Any, Any]) -> bytes:
         arr = arr.astype(np.int64)
     elif arr.dtype.kind not in "iu" or arr.dtype == np.bool_:
         raise IdentityError(f"tokens must be integers, got dtype {arr.dtype}")
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > MAX_TOKEN_ID):
-        bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
-        raise IdentityError(f"token id {bad} is out of range [0, {MAX_TOKEN_ID}]")
-    return arr.astype("<u4", copy=False).tobytes()
+    if arr.dtype.itemsize > 4 or arr.dtype.kind == "i":
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi > MAX_TOKEN_ID:
+            bad = lo if lo < 0 else hi
+            raise IdentityError(f"token id {bad} is out of range [0, {MAX_TOKEN_ID}]")
+    return arr.astype("<u4", copy=False)
+
+
+def _token_bytes(tokens: Sequence[int] | np.ndarray[Any, Any]) -> bytes:
+    return token_array(tokens).tobytes()
 
 
 def chain_hash(parent: bytes, tokens: Sequence[int] | np.ndarray[Any, Any]) -> bytes:
@@ -220,19 +233,33 @@ def chain_hash(parent: bytes, tokens: Sequence[int] | np.ndarray[Any, Any]) -> b
 
 
 def prefix_hashes(
-    namespace: str, tokens: Sequence[int] | np.ndarray[Any, Any], chunk_size: int
+    namespace: str,
+    tokens: Sequence[int] | np.ndarray[Any, Any],
+    chunk_size: int,
+    *,
+    max_chunks: int | None = None,
 ) -> list[bytes]:
-    """One prefix hash per chunk of `tokens` (the last chunk may be partial)."""
+    """One prefix hash per chunk of `tokens` (the last chunk may be partial).
+
+    `max_chunks` stops after that many chunks (a lookup needs no more).
+    """
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise IdentityError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
-    body = _token_bytes(tokens)
+    body = memoryview(token_array(tokens).tobytes())
     n = len(body) // 4
     parent = chain_root(namespace)
     out: list[bytes] = []
-    for start in range(0, n, chunk_size):
-        piece = body[4 * start : 4 * min(n, start + chunk_size)]
-        parent = blake3.blake3(
-            CHAIN_DOMAIN + parent + (len(piece) // 4).to_bytes(4, "little") + piece
-        ).digest()
+    step = 4 * chunk_size
+    full_count = (chunk_size).to_bytes(4, "little")
+    for start in range(0, 4 * n, step):
+        if max_chunks is not None and len(out) >= max_chunks:
+            break
+        piece = body[start : start + step]
+        count = full_count if len(piece) == step else (len(piece) // 4).to_bytes(4, "little")
+        h = blake3.blake3(CHAIN_DOMAIN)
+        h.update(parent)
+        h.update(count)
+        h.update(piece)
+        parent = h.digest()
         out.append(parent)
     return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from catalog.errors import CatalogError
 from catalog.identity import AttentionLayout, Fingerprint
@@ -94,22 +94,25 @@ class PublishResult:
     conflicts: tuple[Conflict, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class ReplicaInfo:
+class ReplicaInfo(NamedTuple):
+    """Where a blob can be read from; lookups fill the first five fields.
+
+    (A NamedTuple, not a dataclass: a long prompt's lookup builds hundreds.)
+    """
+
     location: str
     tier: Tier
     state: ReplicaState
     size: int
-    checksum: str
-    stored_at: datetime
+    worker: str | None = None
+    checksum: str | None = None
+    stored_at: datetime | None = None
     etag: str | None = None
     version: str | None = None
-    worker: str | None = None
     last_verified_at: datetime | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class ChunkMatch:
+class ChunkMatch(NamedTuple):
     """One chunk of a lookup's plan: restore its first `tokens_used` positions."""
 
     prefix_hash: bytes

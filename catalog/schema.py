@@ -99,17 +99,21 @@ class PrefixNode(Base):
     parent_hash: Mapped[bytes] = mapped_column(Hash)
     token_start: Mapped[int] = mapped_column(BigInteger)
     token_count: Mapped[int] = mapped_column(Integer)
-    tokens_be: Mapped[bytes] = mapped_column(LargeBinary)
     depth: Mapped[int] = mapped_column(Integer)
     quarantined: Mapped[bool] = mapped_column(Boolean, default=False)
     quarantine_reason: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime]
+    # Last: a lookup reads the columns above for hundreds of rows and never
+    # needs to step over the (up to 1 KiB) token ids to reach them.
+    tokens_be: Mapped[bytes] = mapped_column(LargeBinary)
 
     __table_args__ = (
         Index("ix_prefixes_parent_tokens", "parent_hash", "tokens_be"),
         Index("ix_prefixes_namespace", "namespace_id"),
         CheckConstraint("token_count >= 1", name="token_count_positive"),
         CheckConstraint("token_start >= 0", name="token_start_nonneg"),
+        # Clustered on the primary key in SQLite: one B-tree probe per lookup row.
+        {"sqlite_with_rowid": False},
     )
 
 
@@ -187,6 +191,7 @@ class Replica(Base):
         ),
         CheckConstraint("tier IN ('resident', 'local', 'object')", name="tier_known"),
         Index("ix_replicas_location", "location"),
+        {"sqlite_with_rowid": False},
     )
 
 

@@ -4,8 +4,15 @@ from __future__ import annotations
 
 from alembic import op
 
-VIEWS = ("v_chunks", "v_replica_health", "v_namespace_usage", "v_continuation_heads", "v_prefixes",
-         "v_events", "v_conflicts")
+VIEWS = (
+    "v_chunks",
+    "v_replica_health",
+    "v_namespace_usage",
+    "v_continuation_heads",
+    "v_prefixes",
+    "v_events",
+    "v_conflicts",
+)
 
 
 def _sql(dialect: str) -> dict[str, str]:
@@ -20,14 +27,14 @@ def _sql(dialect: str) -> dict[str, str]:
     h = hexs.format
     return {
         "v_prefixes": f"""
-            SELECT n.name AS namespace, {h('p.prefix_hash')} AS prefix, {h('p.parent_hash')} AS parent,
+            SELECT n.name AS namespace, {h("p.prefix_hash")} AS prefix, {h("p.parent_hash")} AS parent,
                    p.prefix_hash AS prefix_hash, p.parent_hash AS parent_hash,
                    p.token_start, p.token_count, p.token_start + p.token_count AS token_end, p.depth,
                    p.quarantined, p.quarantine_reason, p.created_at
             FROM prefixes p JOIN namespaces n ON n.id = p.namespace_id""",
         "v_chunks": f"""
-            SELECT c.id AS chunk_id, n.name AS namespace, c.fingerprint, {h('c.prefix_hash')} AS prefix,
-                   {h('p.parent_hash')} AS parent, p.token_start, p.token_count,
+            SELECT c.id AS chunk_id, n.name AS namespace, c.fingerprint, {h("c.prefix_hash")} AS prefix,
+                   {h("p.parent_hash")} AS parent, p.token_start, p.token_count,
                    c.layer_lo, c.layer_hi, c.head_lo, c.head_hi, c.blob_key, c.codec,
                    c.stored_bytes, c.kv_bytes, c.state, p.quarantined, c.created_at, c.last_seen_at,
                    c.last_access_at, c.access_count,
@@ -39,7 +46,7 @@ def _sql(dialect: str) -> dict[str, str]:
         "v_replica_health": f"""
             SELECT r.blob_key, r.location, r.tier, r.state, r.size, r.etag, r.checksum, r.stored_at,
                    r.last_verified_at, r.worker,
-                   {age.format('r.last_verified_at')} AS seconds_since_verified,
+                   {age.format("r.last_verified_at")} AS seconds_since_verified,
                    (SELECT count(*) FROM chunks c WHERE c.blob_key = r.blob_key) AS chunks
             FROM replicas r""",
         "v_namespace_usage": """
@@ -50,20 +57,20 @@ def _sql(dialect: str) -> dict[str, str]:
             JOIN namespaces n ON n.id = p.namespace_id
             GROUP BY n.name, c.fingerprint""",
         "v_continuation_heads": f"""
-            SELECT n.name AS namespace, r.name AS ref, r.fingerprint, {h('r.head_hash')} AS head,
+            SELECT n.name AS namespace, r.name AS ref, r.fingerprint, {h("r.head_hash")} AS head,
                    r.head_hash AS head_hash, r.processed, r.pending_token, r.forked_from,
                    p.quarantined AS head_quarantined, r.created_at, r.updated_at
             FROM refs r JOIN namespaces n ON n.id = r.namespace_id
             JOIN prefixes p ON p.prefix_hash = r.head_hash""",
         "v_events": f"""
             SELECT e.seq, e.at, e.kind, e.namespace, e.subject, e.actor, e.details,
-                   {age.format('e.at')} AS age_seconds
+                   {age.format("e.at")} AS age_seconds
             FROM events e""",
         "v_conflicts": f"""
             SELECT e.seq, e.at, e.namespace, e.subject AS prefix,
-                   {jtext.format('e.details', 'fingerprint')} AS fingerprint,
-                   {jtext.format('e.details', 'kept')} AS kept_key,
-                   {jtext.format('e.details', 'rejected')} AS rejected_key
+                   {jtext.format("e.details", "fingerprint")} AS fingerprint,
+                   {jtext.format("e.details", "kept")} AS kept_key,
+                   {jtext.format("e.details", "rejected")} AS rejected_key
             FROM events e WHERE e.kind = 'conflict'""",
     }
 
