@@ -18,7 +18,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -104,7 +104,7 @@ def run(backend: str, url: str, sizes: list[int], reps: int) -> list[tuple[str, 
             max_id = conn.execute(sa.text("SELECT max(id) FROM chunks")).scalar_one()
         ids = iter(np.random.default_rng(1).integers(1, max_id + 1, 10 * reps + 10).tolist())
 
-        def point() -> None:
+        def point(ids: Iterator[int] = ids) -> None:
             with cat.engine.connect() as conn:
                 conn.execute(sa.text("SELECT blob_key FROM chunks WHERE id = :i"), {"i": next(ids)}).one()
 
