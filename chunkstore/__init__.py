@@ -13,6 +13,7 @@ from chunkstore.errors import (
     StoreURLError,
     StoreWriteError,
 )
+from chunkstore.registry import open_store
 
 __all__ = [
     "BlobNotFoundError",
@@ -26,5 +27,6 @@ __all__ = [
     "StoreURLError",
     "StoreUnavailableError",
     "StoreWriteError",
+    "open_store",
     "validate_key",
 ]

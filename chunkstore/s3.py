@@ -1,0 +1,635 @@
+"""The S3-compatible chunk store: conditional puts, multipart uploads, ranged parallel gets (boto3)."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import functools
+import hashlib
+import logging
+import math
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+import boto3
+from botocore.config import Config
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    IncompleteReadError,
+    NoCredentialsError,
+    PartialCredentialsError,
+    ProfileNotFound,
+    ReadTimeoutError,
+    ResponseStreamingError,
+)
+from typing_extensions import Buffer
+
+from chunkstore.base import BlobStat, ChunkStore, Receipt, validate_key
+from chunkstore.errors import (
+    BlobNotFoundError,
+    ChunkIntegrityError,
+    ChunkStoreError,
+    StoreUnavailableError,
+    StoreURLError,
+    StoreWriteError,
+)
+from chunkstore.local import check_content_address
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
+    from mypy_boto3_s3.type_defs import CompletedPartTypeDef
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+MiB = 1024 * 1024
+MIN_PART_SIZE = 5 * MiB  # S3's minimum for every part but the last
+MAX_PART_SIZE = 5 * 1024 * MiB
+MAX_PARTS = 10_000
+DEFAULT_MULTIPART_THRESHOLD = 64 * MiB
+DEFAULT_PART_SIZE = 16 * MiB
+DEFAULT_REFRESH_AFTER_S = 900.0
+_CONTENT_TYPE = "application/octet-stream"
+_NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+# Raised by a response body while it streams: outside botocore's retries.
+_STREAM_ERRORS = (ReadTimeoutError, IncompleteReadError, ResponseStreamingError)
+# Nothing was sent at all: a put failing this way certainly did not land.
+_NOT_SENT_ERRORS = (NoCredentialsError, PartialCredentialsError, ProfileNotFound)
+
+RetryMode = Literal["standard", "adaptive"]
+AddressingStyle = Literal["path", "virtual", "auto"]
+
+
+def _utc(dt: datetime) -> datetime:
+    return dt.astimezone(UTC) if dt.tzinfo else dt.replace(tzinfo=UTC)
+
+
+def _etag(raw: str | None) -> str | None:
+    return raw.strip('"') if raw else None
+
+
+def _version(raw: str | None) -> str | None:
+    # "null" is what S3 calls the version of an object in an unversioned bucket.
+    return raw if raw and raw != "null" else None
+
+
+def _sha256_b64(data: Buffer) -> tuple[str, bytes]:
+    digest = hashlib.sha256(data).digest()
+    return base64.b64encode(digest).decode("ascii"), digest
+
+
+class S3Store(ChunkStore):
+    """Blobs as objects `<prefix>/<key>` in an S3-compatible bucket.
+
+    The key is already a uniformly random digest, so no extra sharding level
+    is needed for S3's per-prefix request-rate partitioning. Only objects
+    whose name below the prefix is a valid key are blobs; in-progress
+    multipart uploads are invisible to `keys()` and `get()`.
+
+    Puts are conditional (`If-None-Match: *`) with a SHA-256 transport
+    checksum that the server verifies; both SeaweedFS and moto accept SHA-256
+    (CRC32C would need the optional awscrt dependency in botocore).
+    Credentials come from boto3's standard chain (or `session`), never from
+    the store URL. `client` is the boto3 client, exposed so tests can hook
+    its events. Blobs above `multipart_threshold` are uploaded in parts and
+    fetched with parallel ranged GETs on a pool of `max_concurrency` threads.
+
+    A 412 (already stored, or our own earlier attempt whose answer was lost)
+    is confirmed with HEAD: a size (or single-part SHA-256) mismatch raises
+    `ChunkIntegrityError` rather than overwriting, since the evidence of
+    whatever wrote it is worth keeping; an object older than
+    `refresh_after_s` is refreshed with `touch` (GC grace counts from it).
+
+    Errors: a put rejected with a 4xx, or a multipart put failing before its
+    completion, raises `StoreWriteError` (did not land); a put failing after
+    the retries with 5xx, timeouts or connection errors raises
+    `StoreUnavailableError` (outcome unknown). Reads raise
+    `BlobNotFoundError` for a missing key and `StoreUnavailableError`
+    otherwise. `max_attempts` is the total number of attempts per request,
+    first one included (AWS config's meaning), with botocore's `retry_mode`
+    backoff; messages say how many attempts were made.
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        retry_mode: RetryMode = "standard",
+        max_attempts: int = 5,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 60.0,
+        multipart_threshold: int = DEFAULT_MULTIPART_THRESHOLD,
+        part_size: int = DEFAULT_PART_SIZE,
+        max_concurrency: int = 8,
+        addressing_style: AddressingStyle | None = None,
+        refresh_after_s: float = DEFAULT_REFRESH_AFTER_S,
+        session: boto3.session.Session | None = None,
+    ) -> None:
+        if retry_mode not in ("standard", "adaptive"):
+            raise StoreURLError(f"retry_mode must be 'standard' or 'adaptive', got {retry_mode!r}")
+        if max_attempts < 1:
+            raise StoreURLError(f"max_attempts must be at least 1, got {max_attempts}")
+        if not MIN_PART_SIZE <= part_size <= MAX_PART_SIZE:
+            raise StoreURLError(
+                f"part_size must be between {MIN_PART_SIZE} (5 MiB, S3's minimum) and "
+                f"{MAX_PART_SIZE} bytes, got {part_size}"
+            )
+        if multipart_threshold < 1:
+            raise StoreURLError(f"multipart_threshold must be positive, got {multipart_threshold}")
+        if max_concurrency < 1:
+            raise StoreURLError(f"max_concurrency must be at least 1, got {max_concurrency}")
+        if connect_timeout <= 0 or read_timeout <= 0:
+            raise StoreURLError("connect_timeout and read_timeout must be positive")
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.max_attempts = max_attempts
+        self.multipart_threshold = multipart_threshold
+        self.part_size = part_size
+        self.max_concurrency = max_concurrency
+        self.refresh_after_s = refresh_after_s
+        self._name = _store_name(bucket, self.prefix, endpoint_url, region)
+        config = Config(
+            retries={"mode": retry_mode, "total_max_attempts": max_attempts},
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+            # One connection per pool thread plus headroom for callers' own threads.
+            max_pool_connections=max(10, 2 * max_concurrency),
+            s3={"addressing_style": addressing_style} if addressing_style else None,
+        )
+        try:
+            self.client: S3Client = (session or boto3.session.Session()).client(
+                "s3", endpoint_url=endpoint_url, region_name=region, config=config
+            )
+        except BotoCoreError as exc:
+            raise StoreUnavailableError(f"{self._name}: cannot create an S3 client: {exc}") from exc
+        self._attempts = threading.local()
+        # Counts every attempt (botocore creates the request anew for each
+        # try) so that errors can say how often a request was tried.
+        self.client.meta.events.register("request-created.s3", self._count_attempt)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def __repr__(self) -> str:
+        return f"S3Store({self._name!r})"
+
+    def object_key(self, key: str) -> str:
+        """The bucket object name of blob `key`."""
+        key = validate_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    # -- plumbing ---------------------------------------------------------
+
+    def _count_attempt(self, **_: object) -> None:
+        self._attempts.n = getattr(self._attempts, "n", 0) + 1
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._closed:
+                raise StoreUnavailableError(f"{self._name}: the store is closed")
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="kvc-s3")
+            return self._pool
+
+    def _call(
+        self, op: str, key: str | None, fn: Callable[[], _T], *, passthrough: frozenset[int] = frozenset()
+    ) -> _T:
+        """Run one client call, mapping its failure to a domain error.
+
+        `ClientError`s with an HTTP status in `passthrough` are re-raised
+        as they are, for the caller to interpret (412, 416, ...).
+        """
+        self._attempts.n = 0
+        try:
+            return fn()
+        except ClientError as exc:
+            if _status(exc) in passthrough:
+                raise
+            raise self._map_error(op, key, exc) from exc
+        except BotoCoreError as exc:
+            raise self._map_error(op, key, exc) from exc
+
+    def _map_error(
+        self, op: str, key: str | None, exc: Exception, *, attempts: int | None = None
+    ) -> ChunkStoreError:
+        what = f"{op} of blob {key}" if key else op
+        if attempts is None:
+            attempts = max(1, getattr(self._attempts, "n", 1))
+        tried = f"after {attempts} attempt(s) (retried {attempts - 1} times)"
+        writing = op in ("put", "multipart put")
+        if isinstance(exc, ClientError):
+            code = str(exc.response.get("Error", {}).get("Code", "?"))
+            status = _status(exc)
+            message = str(exc.response.get("Error", {}).get("Message", "")).strip()
+            detail = f"{code} (HTTP {status}){': ' + message if message else ''}"
+            if status == 404 and code in _NOT_FOUND_CODES:
+                return BlobNotFoundError(f"{self._name}: no blob {key}")
+            if writing and 400 <= status < 500 and status not in (408, 429):
+                return StoreWriteError(f"{self._name}: {what} was rejected, did not land: {detail}")
+            outcome = "; outcome unknown" if writing else ""
+            return StoreUnavailableError(f"{self._name}: {what} failed {tried}: {detail}{outcome}")
+        if isinstance(exc, _NOT_SENT_ERRORS):
+            cls = StoreWriteError if writing else StoreUnavailableError
+            return cls(f"{self._name}: {what} failed before sending: {type(exc).__name__}: {exc}")
+        outcome = "; outcome unknown" if writing else ""
+        return StoreUnavailableError(
+            f"{self._name}: {what} failed {tried}: {type(exc).__name__}: {exc}{outcome}"
+        )
+
+    def _head(self, key: str) -> Mapping[str, Any]:
+        obj = self.object_key(key)
+        return self._call(
+            "head", key,
+            lambda: self.client.head_object(Bucket=self.bucket, Key=obj, ChecksumMode="ENABLED"),
+        )
+
+    # -- writes -----------------------------------------------------------
+
+    def put(self, key: str, data: Buffer) -> Receipt:
+        key = validate_key(key)
+        view = memoryview(data).cast("B")
+        check_content_address(key, view)
+        # A 412 followed by a 404 means GC deleted the blob in between: try again.
+        for _ in range(3):
+            if view.nbytes > self.multipart_threshold:
+                receipt = self._put_multipart(key, view)
+            else:
+                receipt = self._put_single(key, view)
+            if receipt is not None:
+                return receipt
+        raise StoreUnavailableError(
+            f"{self._name}: put of blob {key} kept finding the blob present, then absent; "
+            "outcome unknown"
+        )
+
+    def _put_single(self, key: str, view: memoryview) -> Receipt | None:
+        obj = self.object_key(key)
+        sha_b64, _ = _sha256_b64(view)
+        body = view.obj if isinstance(view.obj, bytes) and len(view.obj) == view.nbytes else view.tobytes()
+        try:
+            resp = self._call(
+                "put", key,
+                lambda: self.client.put_object(
+                    Bucket=self.bucket, Key=obj, Body=body, IfNoneMatch="*",
+                    ChecksumSHA256=sha_b64, ContentType=_CONTENT_TYPE,
+                ),
+                passthrough=frozenset({412}),
+            )
+        except ClientError:  # 412: an object is already stored under this key
+            return self._existing(key, view.nbytes, sha_b64)
+        logger.debug("%s: stored blob %s (%d bytes)", self._name, key, view.nbytes)
+        return Receipt(
+            store=self._name,
+            key=key,
+            size=view.nbytes,
+            checksum=f"sha256:{resp.get('ChecksumSHA256') or sha_b64}",
+            stored_at=_server_time(resp),
+            etag=_etag(resp.get("ETag")),
+            version=_version(resp.get("VersionId")),
+        )
+
+    def _put_multipart(self, key: str, view: memoryview) -> Receipt | None:
+        # Hand-rolled rather than s3transfer: it must end with a conditional
+        # CompleteMultipartUpload (If-None-Match: *), which SeaweedFS and moto
+        # both honour (412 when the key exists), and carry per-part SHA-256
+        # checksums, which both verify and echo.
+        obj = self.object_key(key)
+        size = view.nbytes
+        part_size = max(self.part_size, math.ceil(size / MAX_PARTS))
+        ranges = [(i + 1, off, min(off + part_size, size)) for i, off in enumerate(range(0, size, part_size))]
+        created = self._call(
+            "multipart put", key,
+            lambda: self.client.create_multipart_upload(
+                Bucket=self.bucket, Key=obj, ChecksumAlgorithm="SHA256", ContentType=_CONTENT_TYPE
+            ),
+        )
+        upload_id = created["UploadId"]
+
+        def upload(part: int, start: int, end: int) -> tuple[int, str, bytes]:
+            piece = view[start:end]
+            sha_b64, digest = _sha256_b64(piece)
+            resp = self._call(
+                f"upload of part {part} in multipart put", key,
+                lambda: self.client.upload_part(
+                    Bucket=self.bucket, Key=obj, UploadId=upload_id, PartNumber=part,
+                    Body=piece.tobytes(), ChecksumSHA256=sha_b64,
+                ),
+            )
+            return part, str(resp["ETag"]), digest
+
+        try:
+            parts = _run_all(self._executor(), [functools.partial(upload, p, s, e) for p, s, e in ranges])
+        except ChunkStoreError as exc:
+            self._abort(key, obj, upload_id)
+            # Until CompleteMultipartUpload nothing is visible under the key.
+            raise StoreWriteError(f"{self._name}: multipart put of blob {key} did not land: {exc}") from exc
+        except BaseException:
+            self._abort(key, obj, upload_id)
+            raise
+        parts.sort()
+        digests = b"".join(d for _, _, d in parts)
+        composite = base64.b64encode(hashlib.sha256(digests).digest()).decode("ascii") + f"-{len(parts)}"
+        listing: list[CompletedPartTypeDef] = [
+            {"PartNumber": n, "ETag": etag, "ChecksumSHA256": base64.b64encode(d).decode("ascii")}
+            for n, etag, d in parts
+        ]
+        try:
+            resp = self._call(
+                "multipart put", key,
+                lambda: self.client.complete_multipart_upload(
+                    Bucket=self.bucket, Key=obj, UploadId=upload_id,
+                    MultipartUpload={"Parts": listing},
+                    IfNoneMatch="*",
+                ),
+                passthrough=frozenset({404, 412}),
+            )
+        except ClientError as exc:
+            if _status(exc) == 412:
+                self._abort(key, obj, upload_id)
+                return self._existing(key, size, None)
+            # 404 NoSuchUpload: an earlier attempt whose response was lost
+            # completed the upload; the object says whether it landed.
+            try:
+                return self._existing(key, size, None)
+            except BlobNotFoundError:
+                raise self._map_error("multipart put", key, exc) from exc
+        except BaseException:
+            self._abort(key, obj, upload_id)
+            raise
+        logger.debug("%s: stored blob %s (%d bytes, %d parts)", self._name, key, size, len(parts))
+        return Receipt(
+            store=self._name,
+            key=key,
+            size=size,
+            checksum=f"sha256:{resp.get('ChecksumSHA256') or composite}",
+            stored_at=_server_time(resp),
+            etag=_etag(resp.get("ETag")),
+            version=_version(resp.get("VersionId")),
+        )
+
+    def _abort(self, key: str, obj: str, upload_id: str) -> None:
+        try:
+            self._call(
+                "abort of multipart put", key,
+                lambda: self.client.abort_multipart_upload(Bucket=self.bucket, Key=obj, UploadId=upload_id),
+                passthrough=frozenset({404}),
+            )
+        except (ChunkStoreError, ClientError) as exc:
+            # The parts cost storage until a bucket lifecycle rule
+            # (AbortIncompleteMultipartUpload) reaps them; they are never visible.
+            logger.warning("%s: could not abort multipart upload of blob %s: %s", self._name, key, exc)
+
+    def _existing(self, key: str, size: int, sha_b64: str | None, *, refresh: bool = True) -> Receipt | None:
+        """The receipt of an object already stored under `key`, after checking it is ours.
+
+        Returns None when the object vanished meanwhile (the put should be retried).
+        """
+        try:
+            head = self._head(key)
+        except BlobNotFoundError:
+            return None
+        stored = int(head["ContentLength"])
+        if stored != size:
+            raise ChunkIntegrityError(
+                f"{self._name}: object for blob {key} holds {stored} bytes, expected {size}: "
+                "a wrong object sits under a content address"
+            )
+        etag = _etag(head.get("ETag"))
+        remote_sha = head.get("ChecksumSHA256")
+        # A single-part object's checksum is of its whole content and can be compared.
+        if sha_b64 and remote_sha and etag and "-" not in etag and "-" not in remote_sha and remote_sha != sha_b64:
+            raise ChunkIntegrityError(
+                f"{self._name}: object for blob {key} has SHA-256 {remote_sha}, expected {sha_b64}: "
+                "a wrong object sits under a content address"
+            )
+        last_modified = _utc(head["LastModified"])
+        if refresh and time.time() - last_modified.timestamp() >= self.refresh_after_s:
+            # A publish reusing existing bytes must refresh them, so that GC's
+            # orphan grace period (which must exceed refresh_after_s) never
+            # deletes bytes a concurrent publish is about to catalogue.
+            try:
+                self.touch(key)
+            except BlobNotFoundError:
+                return None
+            return self._existing(key, size, sha_b64, refresh=False)
+        return Receipt(
+            store=self._name,
+            key=key,
+            size=stored,
+            checksum=f"sha256:{remote_sha}" if remote_sha else f"etag:{etag}",
+            stored_at=last_modified,
+            etag=etag,
+            version=_version(head.get("VersionId")),
+        )
+
+    def touch(self, key: str) -> None:
+        """Set the object's LastModified to now by copying it onto itself (GC grace counts from it).
+
+        Works on AWS, SeaweedFS and moto. The ETag of a blob uploaded in parts
+        changes (the copy is a single-part object); its bytes do not.
+        """
+        obj = self.object_key(key)
+        self._call(
+            "touch", key,
+            lambda: self.client.copy_object(
+                Bucket=self.bucket, Key=obj, CopySource={"Bucket": self.bucket, "Key": obj},
+                MetadataDirective="REPLACE", ContentType=_CONTENT_TYPE,
+                Metadata={"kvc-touched": datetime.now(UTC).isoformat()},
+                ChecksumAlgorithm="SHA256",
+            ),
+        )
+
+    def delete(self, key: str) -> None:
+        obj = self.object_key(key)
+        with contextlib.suppress(BlobNotFoundError):  # S3 itself says 204 for an absent key
+            self._call("delete", key, lambda: self.client.delete_object(Bucket=self.bucket, Key=obj))
+
+    # -- reads ------------------------------------------------------------
+
+    def get(self, key: str) -> Buffer:
+        """The blob's bytes: one GET up to `multipart_threshold`, parallel ranged GETs beyond.
+
+        The bytes are not verified here; callers check them against the key.
+        """
+        obj = self.object_key(key)
+        window = self.multipart_threshold
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                first = self._call(
+                    "get", key,
+                    lambda: self.client.get_object(Bucket=self.bucket, Key=obj, Range=f"bytes=0-{window - 1}"),
+                    passthrough=frozenset({416}),
+                )
+            except ClientError:  # 416: a range cannot start inside an empty object
+                return self._get_whole(key, obj)
+            total = _total_size(first)
+            etag = first.get("ETag")
+            body = first["Body"]
+            try:
+                if total == int(first["ContentLength"]):
+                    return body.read()
+                buf = bytearray(total)
+                _read_into(body, memoryview(buf)[: int(first["ContentLength"])])
+            except _STREAM_ERRORS as exc:
+                body.close()
+                if attempt == self.max_attempts:
+                    raise self._map_error("get", key, exc, attempts=attempt) from exc
+                logger.debug("%s: get of blob %s broke off (%s); retrying", self._name, key, exc)
+                continue
+            start = int(first["ContentLength"])
+            jobs = [
+                functools.partial(self._fetch_range, key, obj, s, min(s + self.part_size, total), etag, buf)
+                for s in range(start, total, self.part_size)
+            ]
+            _run_all(self._executor(), jobs)
+            return buf
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _get_whole(self, key: str, obj: str) -> bytes:
+        for attempt in range(1, self.max_attempts + 1):
+            resp = self._call("get", key, lambda: self.client.get_object(Bucket=self.bucket, Key=obj))
+            try:
+                return resp["Body"].read()
+            except _STREAM_ERRORS as exc:
+                if attempt == self.max_attempts:
+                    raise self._map_error("get", key, exc, attempts=attempt) from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _fetch_range(self, key: str, obj: str, start: int, end: int, etag: str | None, buf: bytearray) -> None:
+        # If-Match pins every range to the object the first response came from.
+        if_match = etag or "*"
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                resp = self._call(
+                    "get", key,
+                    lambda: self.client.get_object(
+                        Bucket=self.bucket, Key=obj, Range=f"bytes={start}-{end - 1}", IfMatch=if_match
+                    ),
+                    passthrough=frozenset({412}),
+                )
+            except ClientError as exc:
+                raise StoreUnavailableError(
+                    f"{self._name}: blob {key} was replaced while being read (ETag changed)"
+                ) from exc
+            if int(resp["ContentLength"]) != end - start:
+                raise StoreUnavailableError(
+                    f"{self._name}: ranged get of blob {key} returned {resp['ContentLength']} bytes, "
+                    f"expected {end - start}"
+                )
+            try:
+                _read_into(resp["Body"], memoryview(buf)[start:end])
+                return
+            except _STREAM_ERRORS as exc:
+                resp["Body"].close()
+                if attempt == self.max_attempts:
+                    raise self._map_error("get", key, exc, attempts=attempt) from exc
+
+    def exists(self, key: str) -> bool:
+        try:
+            self._head(key)
+        except BlobNotFoundError:
+            return False
+        return True
+
+    def stat(self, key: str) -> BlobStat:
+        head = self._head(key)
+        return BlobStat(size=int(head["ContentLength"]), mtime=_utc(head["LastModified"]))
+
+    def keys(self) -> Iterator[str]:
+        list_prefix = f"{self.prefix}/" if self.prefix else ""
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=list_prefix)
+        it = iter(pages)
+        while True:
+            page = self._call("list", None, lambda: next(it, None))
+            if page is None:
+                return
+            for item in page.get("Contents", []):
+                name = item["Key"][len(list_prefix):]
+                try:
+                    yield validate_key(name)
+                except ValueError:
+                    continue
+
+    def close(self) -> None:
+        with self._pool_lock:
+            if self._closed:
+                return
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
+        self.client.close()
+
+
+def _status(exc: ClientError) -> int:
+    return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+
+
+def _server_time(resp: Mapping[str, Any]) -> datetime:
+    # The server's clock, the one LastModified (and so GC) goes by.
+    date = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    if date:
+        try:
+            return _utc(parsedate_to_datetime(date))
+        except (TypeError, ValueError):
+            pass
+    return datetime.now(UTC)
+
+
+def _total_size(resp: Mapping[str, Any]) -> int:
+    content_range = resp.get("ContentRange")  # "bytes 0-99/12345"
+    if content_range and "/" in content_range:
+        total = content_range.rsplit("/", 1)[1]
+        if total.isdigit():
+            return int(total)
+    return int(resp["ContentLength"])  # the server ignored Range and sent it all
+
+
+def _read_into(body: Any, target: memoryview) -> None:
+    offset = 0
+    for chunk in body.iter_chunks(1 * MiB):
+        end = offset + len(chunk)
+        if end > len(target):
+            raise IncompleteReadError(actual_bytes=end, expected_bytes=len(target))
+        target[offset:end] = chunk
+        offset = end
+    if offset != len(target):
+        raise IncompleteReadError(actual_bytes=offset, expected_bytes=len(target))
+
+
+def _run_all(pool: ThreadPoolExecutor, jobs: Sequence[Callable[[], _T]]) -> list[_T]:
+    """Run `jobs` on `pool`; on the first failure cancel what has not started, wait, and raise it."""
+    futures: list[Future[_T]] = [pool.submit(job) for job in jobs]
+    wait(futures, return_when=FIRST_EXCEPTION)
+    failed = next((f for f in futures if f.done() and f.exception() is not None), None)
+    if failed is not None:
+        for f in futures:
+            f.cancel()
+        wait(futures)  # let in-flight jobs finish before the caller cleans up
+        exc = failed.exception()
+        assert exc is not None
+        raise exc
+    return [f.result() for f in futures]
+
+
+def _store_name(bucket: str, prefix: str, endpoint_url: str | None, region: str | None) -> str:
+    """`s3://bucket/prefix?endpoint_url=..&region=..`: only what says which store it is."""
+    identity = {k: v for k, v in (("endpoint_url", endpoint_url), ("region", region)) if v}
+    query = urllib.parse.urlencode(sorted(identity.items()), safe=":/")
+    path = f"/{urllib.parse.quote(prefix)}" if prefix else ""
+    return f"s3://{bucket}{path}" + (f"?{query}" if query else "")
