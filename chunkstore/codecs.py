@@ -305,17 +305,10 @@ CODECS: Mapping[str, Codec] = MappingProxyType(
     {codec.name: codec for codec in (RawCodec(), ZstdCodec(level=1), BytePlaneCodec())}
 )
 
-# Restoring from a local disk, raw is fastest end to end: it needs one blake3
-# over the record and no decode at all (a zero-copy view). Measured on 14.7 MB
-# of KV-like fp16 ([28, 2, 256, 4, 128], normal noise times per-head scales),
-# 2-core VM, ext4 on virtio, best of 7 (cold: median of 7), range over 2 runs:
-#   codec        size   encode_chunk  codec decode  decode_chunk+key  restore (read+decode_chunk)
-#   raw          1.000  1.3-1.7 GB/s  (a view)      4.6-6.7 GB/s      warm 3.6-5.8 ms, cold 17-20 ms
-#   zstd         0.934  0.4-0.5 GB/s  0.9-1.0 GB/s  0.6-0.8 GB/s      warm 21-25 ms,   cold 31-37 ms
-#   zstd-planes  0.867  0.5-0.6 GB/s  1.4 GB/s      0.9 GB/s          warm 16-23 ms,   cold 26-32 ms
-# (codec-only encode: zstd 0.6-0.8, zstd-planes 0.9 GB/s.) zstd-planes
-# saves 2 MB for ~17 ms more CPU, so it pays off only below ~0.1 GB/s of
-# bandwidth (a slow object store), unless decoding overlaps the transfer.
-# Command: `python bench/bench_codecs.py` (handed over with this change; cold
-# reads drop the page cache with posix_fadvise DONTNEED first).
+# Restoring from a local disk, raw is fastest end to end: one blake3 over the
+# record and no decode pass at all (a zero-copy view). On 14.7 MB of KV-like
+# fp16, zstd-planes saves ~12% and zstd ~6% of the bytes, but both restore
+# 5-6x slower (decode ~0.6 GB/s here), so compression pays only below about
+# 0.1 GB/s of store bandwidth. Numbers and command: docs/performance.md
+# (`python bench/bench_chunkstore.py`).
 DEFAULT_CODEC = "raw"
