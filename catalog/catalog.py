@@ -226,18 +226,9 @@ class Catalog:
         self._retrying(run)
 
     def get_fingerprint(self, fp: Fingerprint | str) -> Fingerprint | None:
-        hex_ = fingerprint_hex(fp)
-        if hex_ in self._fp_cache:
-            return self._fp_cache[hex_]
+        """The catalogued fingerprint (with its descriptor), or None."""
         with self.engine.connect() as conn:
-            desc = conn.execute(
-                sa.select(FingerprintRow.descriptor).where(FingerprintRow.hex == hex_)
-            ).scalar()
-        if desc is None:
-            return None
-        found = Fingerprint.from_descriptor(desc)
-        self._fp_cache[hex_] = found
-        return found
+            return self._fingerprint(conn, fingerprint_hex(fp))
 
     def register_store(self, name: str, kind: str, tier: str) -> None:
         """Record a store (by its credential-free URL) so replica rows can name it."""
@@ -631,7 +622,7 @@ class Catalog:
         """
         fp_hex = fingerprint_hex(fingerprint)
         tok = token_array(tokens)  # validates, with clear errors
-        chain_root(namespace)
+        root = chain_root(namespace)  # validates the namespace
         n = int(tok.size)
         limit = n - 1
         if max_tokens is not None:
@@ -657,7 +648,7 @@ class Catalog:
             found = self._chunks_for(conn, fp_hex, shard, full)
             chunks: list[ChunkMatch] = []
             matched = 0
-            parent = chain_root(namespace)
+            parent = root
             for i, h in enumerate(full):
                 row = found.get(h)
                 if row is None:

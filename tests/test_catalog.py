@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -471,3 +472,14 @@ def test_bad_urls(tmp_path: Path) -> None:
         Catalog.open("mysql://u:secret@h/db")
     except CatalogError as exc:
         assert "secret" not in str(exc)
+
+
+def test_fingerprints_are_stored_with_their_descriptor(cat: Catalog) -> None:
+    assert cat.get_fingerprint(FP) is None
+    publish(cat, "default", TOKENS[:4])
+    got = cat.get_fingerprint(FP.hex)
+    assert got == FP and got is not None and got.descriptor == FP.descriptor
+    with cat.engine.connect() as conn:
+        stored = conn.execute(sa.text("SELECT descriptor FROM fingerprints")).scalar_one()
+    stored = stored if isinstance(stored, dict) else json.loads(stored)
+    assert stored["weights"] == "sha256:test" and stored["attention_layout"]["head_dim"] == 4
