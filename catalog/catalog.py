@@ -554,6 +554,44 @@ class Catalog:
         ).scalars()
         return set(rows)
 
+    def mark_replica(
+        self,
+        blob_key: str,
+        location: str,
+        state: str,
+        *,
+        reason: str,
+        namespace: str | None = None,
+        actor: str | None = None,
+    ) -> bool:
+        """Set a replica's state (`corrupt`, `missing`, `deleting`, `durable`) with an event saying why.
+
+        Returns False when there is no such replica (nothing changes then).
+        """
+        if state not in ("durable", "ready", "corrupt", "missing", "deleting"):
+            raise CatalogError(f"unknown replica state {state!r}")
+
+        def run() -> bool:
+            with self._write() as conn:
+                res = conn.execute(
+                    sa.update(Replica)
+                    .where(Replica.blob_key == blob_key, Replica.location == location)
+                    .values(state=state)
+                )
+                if res.rowcount != 1:
+                    return False
+                self._event(
+                    conn,
+                    f"replica.{state}",
+                    namespace,
+                    blob_key,
+                    actor,
+                    {"location": location, "reason": reason},
+                )
+                return True
+
+        return self._retrying(run)
+
     def record_replica(
         self, blob_key: str, receipt: Any, *, namespace: str | None = None, actor: str | None = None
     ) -> bool:

@@ -483,3 +483,15 @@ def test_fingerprints_are_stored_with_their_descriptor(cat: Catalog) -> None:
         stored = conn.execute(sa.text("SELECT descriptor FROM fingerprints")).scalar_one()
     stored = stored if isinstance(stored, dict) else json.loads(stored)
     assert stored["weights"] == "sha256:test" and stored["attention_layout"]["head_dim"] == 4
+
+
+def test_mark_replica_hides_it_from_lookup_and_records_why(cat: Catalog) -> None:
+    recs = publish(cat, "default", TOKENS[:4])
+    key = recs[0].blob_key
+    assert cat.mark_replica(key, "file:///store", "corrupt", reason="digest mismatch", actor="w1")
+    assert cat.lookup("default", FP, TOKENS).matched_tokens == 0
+    ev = cat.events(kind="replica.corrupt")
+    assert len(ev) == 1 and ev[0].details == {"location": "file:///store", "reason": "digest mismatch"}
+    assert not cat.mark_replica(key, "file:///elsewhere", "missing", reason="x")
+    with pytest.raises(CatalogError, match="unknown replica state"):
+        cat.mark_replica(key, "file:///store", "gone", reason="x")
