@@ -42,6 +42,7 @@ from catalog.models import (
     Shard,
 )
 from catalog.schema import (
+    HEAD_TOKENS,
     Chunk,
     Demand,
     Event,
@@ -356,6 +357,7 @@ class Catalog:
                             "token_start": r.token_start,
                             "token_count": len(r.tokens),
                             "tokens_be": tokens_to_be(r.tokens),
+                            "tokens_head": tokens_to_be(r.tokens[:HEAD_TOKENS]),
                             "depth": r.token_start // ns_ids[r.namespace][1],
                             "quarantined": False,
                             "quarantine_reason": None,
@@ -806,14 +808,21 @@ class Catalog:
             PrefixNode.parent_hash == parent, PrefixNode.quarantined.is_(False), usable
         )
         # The sibling sharing the longest prefix with q is q's neighbour in token
-        # order (index on parent_hash, tokens_be): two index probes, one round trip.
-        below = (
-            base.where(PrefixNode.tokens_be <= q_be).order_by(PrefixNode.tokens_be.desc()).limit(1)
-        )
-        above = (
-            base.where(PrefixNode.tokens_be > q_be).order_by(PrefixNode.tokens_be.asc()).limit(1)
-        )
-        candidates = sa.union_all(sa.select(below.subquery()), sa.select(above.subquery()))
+        # order. The index orders siblings by their first HEAD_TOKENS ids only:
+        # two probes find the neighbours by that head, and two more order just
+        # the siblings whose head equals q's by their full token ids (the rare
+        # case of siblings agreeing on their first HEAD_TOKENS tokens). All in
+        # one statement, so one round trip.
+        q_head = q_be[: 4 * HEAD_TOKENS]
+        head, full = PrefixNode.tokens_head, PrefixNode.tokens_be
+        same = base.where(head == q_head)
+        probes = [
+            base.where(head <= q_head).order_by(head.desc()).limit(1),
+            base.where(head > q_head).order_by(head.asc()).limit(1),
+            same.where(full <= q_be).order_by(full.desc()).limit(1),
+            same.where(full > q_be).order_by(full.asc()).limit(1),
+        ]
+        candidates = sa.union_all(*(sa.select(p.subquery()) for p in probes))
         rows = conn.execute(
             self._chunk_query(fp_hex, shard, PrefixNode.tokens_be).where(
                 Chunk.prefix_hash.in_(sa.select(candidates.subquery()))

@@ -23,6 +23,9 @@ from sqlalchemy import (
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+# Token ids of a prefix node kept in its sibling index (128 bytes).
+HEAD_TOKENS = 32
+
 # Bumped with every migration; a database whose alembic revision differs is refused.
 SCHEMA_REVISION = "0001"
 
@@ -90,7 +93,9 @@ class PrefixNode(Base):
 
     `tokens_be` holds the token ids as big-endian uint32, so byte order is token
     order: the stored sibling sharing the longest prefix with a query is one of
-    its two neighbours in the (parent_hash, tokens_be) index.
+    its two neighbours in that order. The index holds only `tokens_head`, the
+    first HEAD_TOKENS ids (a full 1 KiB key would overflow SQLite's index pages
+    and quadruple the index); see Catalog._best_sibling for how both are used.
     """
 
     __tablename__ = "prefixes"
@@ -105,15 +110,14 @@ class PrefixNode(Base):
     created_at: Mapped[datetime]
     # Last: a lookup reads the columns above for hundreds of rows and never
     # needs to step over the (up to 1 KiB) token ids to reach them.
+    tokens_head: Mapped[bytes] = mapped_column(LargeBinary)
     tokens_be: Mapped[bytes] = mapped_column(LargeBinary)
 
     __table_args__ = (
-        Index("ix_prefixes_parent_tokens", "parent_hash", "tokens_be"),
+        Index("ix_prefixes_parent_head", "parent_hash", "tokens_head"),
         Index("ix_prefixes_namespace", "namespace_id"),
         CheckConstraint("token_count >= 1", name="token_count_positive"),
         CheckConstraint("token_start >= 0", name="token_start_nonneg"),
-        # Clustered on the primary key in SQLite: one B-tree probe per lookup row.
-        {"sqlite_with_rowid": False},
     )
 
 
@@ -191,7 +195,6 @@ class Replica(Base):
         ),
         CheckConstraint("tier IN ('resident', 'local', 'object')", name="tier_known"),
         Index("ix_replicas_location", "location"),
-        {"sqlite_with_rowid": False},
     )
 
 

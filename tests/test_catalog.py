@@ -495,3 +495,19 @@ def test_mark_replica_hides_it_from_lookup_and_records_why(cat: Catalog) -> None
     assert not cat.mark_replica(key, "file:///elsewhere", "missing", reason="x")
     with pytest.raises(CatalogError, match="unknown replica state"):
         cat.mark_replica(key, "file:///store", "gone", reason="x")
+
+
+def test_siblings_agreeing_beyond_the_indexed_head(cat: Catalog) -> None:
+    # Chunks of 64 tokens: siblings share their first 40 tokens (more than the
+    # 32 the sibling index holds); the one sharing the most still wins.
+    cat.ensure_namespace("wide", 64)
+    base = list(range(64))
+    common = list(range(1000, 1040))
+    for tail in (50, 51, 52, 53):
+        publish(cat, "wide", [*base, *common, *[tail] * 24], chunk_size=64)
+    publish(cat, "wide", [*base, *common[:39], 7, *[0] * 24], chunk_size=64)
+    query = [*base, *common, 52, 52, 52, 9, 9, 9]
+    m = cat.lookup("wide", FP, query)
+    assert m.matched_tokens == 64 + 43
+    n = _count_statements(cat, lambda: cat.lookup("wide", FP, query))
+    assert n <= 2

@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises: 
-Create Date: 2026-12-02 17:12:13.596372
+Create Date: 2026-12-02 17:39:41.687190
 
 """
 from typing import Sequence, Union
@@ -67,8 +67,7 @@ def upgrade() -> None:
     sa.Column('worker', sa.String(length=255), nullable=True),
     sa.CheckConstraint("state IN ('durable', 'ready', 'corrupt', 'missing', 'deleting')", name=op.f('ck_replicas_state_known')),
     sa.CheckConstraint("tier IN ('resident', 'local', 'object')", name=op.f('ck_replicas_tier_known')),
-    sa.PrimaryKeyConstraint('blob_key', 'location', name=op.f('pk_replicas')),
-    sqlite_with_rowid=False
+    sa.PrimaryKeyConstraint('blob_key', 'location', name=op.f('pk_replicas'))
     )
     with op.batch_alter_table('replicas', schema=None) as batch_op:
         batch_op.create_index('ix_replicas_location', ['location'], unique=False)
@@ -102,16 +101,16 @@ def upgrade() -> None:
     sa.Column('quarantined', sa.Boolean(), nullable=False),
     sa.Column('quarantine_reason', sa.Text(), nullable=True),
     sa.Column('created_at', catalog.schema.UTCDateTime(timezone=True), nullable=False),
+    sa.Column('tokens_head', sa.LargeBinary(), nullable=False),
     sa.Column('tokens_be', sa.LargeBinary(), nullable=False),
     sa.CheckConstraint('token_count >= 1', name=op.f('ck_prefixes_token_count_positive')),
     sa.CheckConstraint('token_start >= 0', name=op.f('ck_prefixes_token_start_nonneg')),
     sa.ForeignKeyConstraint(['namespace_id'], ['namespaces.id'], name=op.f('fk_prefixes_namespace_id_namespaces')),
-    sa.PrimaryKeyConstraint('prefix_hash', name=op.f('pk_prefixes')),
-    sqlite_with_rowid=False
+    sa.PrimaryKeyConstraint('prefix_hash', name=op.f('pk_prefixes'))
     )
     with op.batch_alter_table('prefixes', schema=None) as batch_op:
         batch_op.create_index('ix_prefixes_namespace', ['namespace_id'], unique=False)
-        batch_op.create_index('ix_prefixes_parent_tokens', ['parent_hash', 'tokens_be'], unique=False)
+        batch_op.create_index('ix_prefixes_parent_head', ['parent_hash', 'tokens_head'], unique=False)
 
     op.create_table('chunks',
     sa.Column('id', sa.BigInteger().with_variant(sa.Integer(), 'sqlite'), autoincrement=True, nullable=False),
@@ -179,7 +178,7 @@ def downgrade() -> None:
 
     op.drop_table('chunks')
     with op.batch_alter_table('prefixes', schema=None) as batch_op:
-        batch_op.drop_index('ix_prefixes_parent_tokens')
+        batch_op.drop_index('ix_prefixes_parent_head')
         batch_op.drop_index('ix_prefixes_namespace')
 
     op.drop_table('prefixes')
