@@ -1,0 +1,366 @@
+"""Checkpoint: capture a route's KV under a lease, encode, store, then record (the ordered publish)."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from catalog import Fingerprint, chain_root, prefix_hashes
+from catalog.catalog import Catalog
+from catalog.errors import NotFoundError
+from catalog.identity import token_array
+from catalog.models import ChunkRecord, ReplicaReceipt, Shard
+from chunkstore import ChunkStore, Receipt
+from chunkstore.codecs import DEFAULT_CODEC
+from chunkstore.errors import ChunkStoreError
+from chunkstore.record import encode_chunk
+from restore.errors import CheckpointBusyError, RestoreError
+
+log = logging.getLogger(__name__)
+
+
+def store_tier(store: ChunkStore) -> str:
+    """The catalog tier of a store: object stores are `object`, directories `local`."""
+    return "object" if store.name.startswith("s3:") else "local"
+
+
+def to_replica_receipt(receipt: Receipt, tier: str) -> ReplicaReceipt:
+    return ReplicaReceipt(
+        location=receipt.store,
+        tier=tier,  # type: ignore[arg-type]
+        size=receipt.size,
+        checksum=receipt.checksum,
+        stored_at=receipt.stored_at,
+        etag=receipt.etag,
+        version=receipt.version,
+    )
+
+
+@dataclass
+class CheckpointResult:
+    """What one checkpoint did: chunks new and already catalogued, bytes stored, time per stage."""
+
+    tokens: int
+    chunks: int
+    new_chunks: int
+    skipped_chunks: int
+    stored_bytes: int
+    head: bytes | None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Job:
+    lease_cm: Any
+    lease: Any
+    tokens: np.ndarray[Any, Any]
+    fingerprint: Fingerprint
+    name: str | None
+    pending: int | None
+    nbytes: int
+    future: Future[CheckpointResult]
+
+
+class Checkpointer:
+    """Publishes routes as durable chunks: bytes first (with receipts), catalog second.
+
+    `store` is where bytes land first (usually a local directory); with
+    `write_behind` (usually an object store) each new blob is also uploaded in
+    the background and that replica is catalogued only after its receipt.
+    A worker that owns a slab of the model passes `shard`: its pool then holds
+    only those layers and kv heads, and only that slab is published.
+    """
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        store: ChunkStore,
+        namespace: str = "default",
+        chunk_size: int = 256,
+        write_behind: ChunkStore | None = None,
+        *,
+        shard: Shard | None = None,
+        codec: str = DEFAULT_CODEC,
+        max_queue: int = 8,
+        staging_bytes: int = 512 << 20,
+        actor: str | None = None,
+    ) -> None:
+        self.catalog = catalog
+        self.store = store
+        self.namespace = namespace
+        self.write_behind = write_behind
+        self.shard = shard
+        self.codec = codec
+        self.actor = actor
+        chain_root(namespace)  # validates the name
+        self.chunk_size = catalog.ensure_namespace(namespace, chunk_size)
+        if self.chunk_size != chunk_size:
+            raise RestoreError(
+                f"namespace {namespace!r} uses chunk size {self.chunk_size}, not {chunk_size}"
+            )
+        self.dropped: Counter[str] = Counter()
+        self._max_queue = max_queue
+        self._staging_budget = staging_bytes
+        self._staged = 0
+        self._lock = threading.Lock()
+        self._queue: queue.Queue[_Job | None] = queue.Queue()
+        self._queued = 0
+        self._worker: threading.Thread | None = None
+        self._uploads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvc-write-behind")
+        self._upload_futures: list[Future[None]] = []
+        self._closed = False
+
+    # -- synchronous -----------------------------------------------------------
+
+    def checkpoint(
+        self,
+        pool: Any,
+        route: int,
+        tokens: Sequence[int] | np.ndarray[Any, Any],
+        fingerprint: Fingerprint,
+        name: str | None = None,
+        pending: int | None = None,
+    ) -> CheckpointResult:
+        """Publish the first len(tokens) positions of `route` (their ids are `tokens`).
+
+        Returns when every new chunk is durable in `store` and catalogued (and,
+        with `name`, the ref points at the new head).
+        """
+        tok, shard = self._check(pool, route, tokens, fingerprint)
+        with pool.lease(route) as lease:
+            result = self._publish(lease, tok, fingerprint, shard, name, pending)
+        pool.mark_durable(route, len(tok))  # eviction may now drop these positions
+        return result
+
+    def _check(
+        self, pool: Any, route: int, tokens: Sequence[int] | np.ndarray[Any, Any], fingerprint: Fingerprint
+    ) -> tuple[np.ndarray[Any, Any], Shard]:
+        if self._closed:
+            raise RestoreError("this Checkpointer is closed")
+        tok = token_array(tokens)
+        full = fingerprint.layout
+        shard = self.shard or Shard.full(full)
+        shard.check_within(full)
+        pl = pool.layout
+        want = (shard.layer_hi - shard.layer_lo, shard.head_hi - shard.head_lo, full.head_dim, full.dtype)
+        got = (pl.num_layers, pl.num_kv_heads, pl.head_dim, pl.dtype)
+        if want != got:
+            raise RestoreError(
+                f"pool layout (layers, kv heads, head dim, dtype) = {got} does not match "
+                f"fingerprint {fingerprint.hex[:12]}'s shard {want}"
+            )
+        if pool.length(route) < len(tok):
+            raise RestoreError(
+                f"route {route} holds {pool.length(route)} positions but {len(tok)} token ids were given"
+            )
+        return tok, shard
+
+    def _publish(
+        self,
+        lease: Any,
+        tok: np.ndarray[Any, Any],
+        fp: Fingerprint,
+        shard: Shard,
+        name: str | None,
+        pending: int | None,
+    ) -> CheckpointResult:
+        t0 = time.perf_counter()
+        seconds: dict[str, float] = {"capture": 0.0, "encode": 0.0, "store": 0.0}
+        cs = self.chunk_size
+        hashes = prefix_hashes(self.namespace, tok, cs)
+        known = self.catalog.known_blob_keys(self.namespace, fp, hashes, shard)
+        seconds["plan"] = time.perf_counter() - t0
+        records: list[ChunkRecord] = []
+        new_keys: list[str] = []
+        stored = 0
+        parent = chain_root(self.namespace)
+        tier = store_tier(self.store)
+        for i, h in enumerate(hashes):
+            start, end = i * cs, min(len(tok), (i + 1) * cs)
+            if h not in known:
+                t = time.perf_counter()
+                k, v = lease.read(start, end)
+                kv = np.stack([k, v], axis=1)  # [L, 2, T, H, D]: the record's payload layout
+                seconds["capture"] += time.perf_counter() - t
+                t = time.perf_counter()
+                enc = encode_chunk(
+                    fingerprint=fp.hex,
+                    namespace=self.namespace,
+                    prefix_hash=h,
+                    parent_hash=parent,
+                    token_start=start,
+                    tokens=tok[start:end].tolist(),
+                    kv=kv,
+                    layers=(shard.layer_lo, shard.layer_hi),
+                    kv_heads=(shard.head_lo, shard.head_hi),
+                    dtype=fp.layout.dtype,
+                    codec=self.codec,
+                )
+                seconds["encode"] += time.perf_counter() - t
+                t = time.perf_counter()
+                receipt = self.store.put(enc.key, enc.data)
+                seconds["store"] += time.perf_counter() - t
+                stored += len(enc.data)
+                new_keys.append(enc.key)
+                records.append(
+                    ChunkRecord(
+                        namespace=self.namespace,
+                        fingerprint=fp,
+                        prefix_hash=h,
+                        parent_hash=parent,
+                        token_start=start,
+                        tokens=tok[start:end].tolist(),
+                        shard=shard,
+                        blob_key=enc.key,
+                        codec=enc.header.codec,
+                        stored_bytes=len(enc.data),
+                        kv_bytes=int(kv.nbytes),
+                        receipts=[to_replica_receipt(receipt, tier)],
+                    )
+                )
+                if self.write_behind is not None:
+                    self._upload_later(enc.key, enc.data)
+            parent = h
+        t = time.perf_counter()
+        if records:
+            self.catalog.record_chunks(records, actor=self.actor)
+        head = hashes[-1] if hashes else None
+        if name is not None and head is not None:
+            self._move_ref(name, fp, head, pending)
+        seconds["catalog"] = time.perf_counter() - t
+        seconds["total"] = time.perf_counter() - t0
+        return CheckpointResult(
+            tokens=len(tok),
+            chunks=len(hashes),
+            new_chunks=len(records),
+            skipped_chunks=len(hashes) - len(records),
+            stored_bytes=stored,
+            head=head,
+            seconds=seconds,
+        )
+
+    def _move_ref(self, name: str, fp: Fingerprint, head: bytes, pending: int | None) -> None:
+        try:
+            current = self.catalog.get_ref(self.namespace, name)
+        except NotFoundError:
+            self.catalog.create_ref(self.namespace, name, fp, head, pending_token=pending, actor=self.actor)
+            return
+        self.catalog.update_ref(
+            self.namespace, name, expected_head=current.head_hash, new_head=head,
+            pending_token=pending, actor=self.actor,
+        )
+
+    # -- write-behind ------------------------------------------------------------
+
+    def _upload_later(self, key: str, data: bytes) -> None:
+        target = self.write_behind
+        assert target is not None
+
+        def upload() -> None:
+            try:
+                receipt = target.put(key, data)
+            except ChunkStoreError as exc:
+                # The local replica is durable and catalogued; the object-store
+                # replica simply does not exist until a later upload succeeds.
+                log.warning("write-behind upload of %s to %s failed: %s", key, target.name, exc)
+                self.dropped["write_behind_failed"] += 1
+                return
+            self.catalog.record_replica(
+                key, to_replica_receipt(receipt, store_tier(target)), namespace=self.namespace, actor=self.actor
+            )
+
+        with self._lock:
+            self._upload_futures.append(self._uploads.submit(upload))
+
+    # -- asynchronous ------------------------------------------------------------
+
+    def submit(
+        self,
+        pool: Any,
+        route: int,
+        tokens: Sequence[int] | np.ndarray[Any, Any],
+        fingerprint: Fingerprint,
+        name: str | None = None,
+        pending: int | None = None,
+        *,
+        speculative: bool = True,
+    ) -> Future[CheckpointResult] | None:
+        """Queue a checkpoint without blocking the caller; the route may keep decoding.
+
+        A lease pins the snapshot until it is copied out. When the queue or the
+        staging byte budget is full, speculative work is dropped (counted in
+        `dropped` by reason, returns None) and an explicit checkpoint
+        (`speculative=False`) raises `CheckpointBusyError`.
+        """
+        tok, _shard = self._check(pool, route, tokens, fingerprint)
+        nbytes = len(tok) * pool.layout.bytes_per_token
+        with self._lock:
+            reason = None
+            if self._queued >= self._max_queue:
+                reason = "queue_full"
+            elif self._staged + nbytes > self._staging_budget:
+                reason = "staging_budget"
+            if reason is not None:
+                if speculative:
+                    self.dropped[reason] += 1
+                    return None
+                raise CheckpointBusyError(
+                    f"checkpoint queue busy ({reason}: {self._queued} queued, "
+                    f"{self._staged} of {self._staging_budget} staging bytes in use)"
+                )
+            self._queued += 1
+            self._staged += nbytes
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._run, name="kvc-checkpoint", daemon=True)
+                self._worker.start()
+        cm = pool.lease(route)
+        lease = cm.__enter__()
+        fut: Future[CheckpointResult] = Future()
+        self._queue.put(_Job(cm, lease, tok, fingerprint, name, pending, nbytes, fut))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                shard = self.shard or Shard.full(job.fingerprint.layout)
+                result = self._publish(job.lease, job.tokens, job.fingerprint, shard, job.name, job.pending)
+                job.future.set_result(result)
+            except BaseException as exc:  # reported through the future, never lost
+                job.future.set_exception(exc)
+            finally:
+                job.lease_cm.__exit__(None, None, None)
+                with self._lock:
+                    self._queued -= 1
+                    self._staged -= job.nbytes
+
+    def close(self) -> None:
+        """Drain queued checkpoints and write-behind uploads, then stop the workers."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._worker is not None:
+            self._queue.put(None)
+            self._worker.join()
+        with self._lock:
+            futures = list(self._upload_futures)
+        for f in futures:
+            f.result()
+        self._uploads.shutdown(wait=True)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

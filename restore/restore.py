@@ -1,0 +1,303 @@
+"""Restore: find the longest stored prefix, fetch and verify its chunks, load them into pool pages."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from catalog import Fingerprint, fingerprint_hex
+from catalog.catalog import Catalog
+from catalog.identity import token_array
+from catalog.models import ChunkMatch, Match, ReplicaInfo, Shard
+from chunkstore import ChunkStore
+from chunkstore.errors import ChunkStoreError
+from chunkstore.record import DecodedChunk, decode_chunk
+from restore.errors import RestoreError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RestoreReport:
+    """How a restore went: chunks and bytes per replica, failures, seconds per stage."""
+
+    chunks: int = 0
+    bytes: int = 0
+    replicas_used: dict[str, int] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class RestoreResult:
+    """`route` holds `restored_tokens` verified positions (None on a miss); recompute from `recompute_from`."""
+
+    route: int | None
+    restored_tokens: int
+    recompute_from: int
+    prompt_tokens: int
+    match: Match | None
+    report: RestoreReport
+
+    @property
+    def hit(self) -> bool:
+        return self.route is not None
+
+
+class _ChunkFailed(Exception):
+    """No replica of a chunk could be fetched and verified."""
+
+
+class Restorer:
+    """Restores prefixes from the stores this worker can read (matched to replicas by store name).
+
+    Every blob is verified on every tier: its digest equals its key, and its
+    header (fingerprint, prefix, parent, token range and ids, shard, shape)
+    matches what the catalog and the prompt say. Nothing unverified reaches a
+    page, and a route becomes visible only when all its pages are loaded.
+    """
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        stores: Iterable[ChunkStore],
+        namespace: str = "default",
+        *,
+        shard: Shard | None = None,
+        max_parallel: int = 4,
+        byte_budget: int = 256 << 20,
+        actor: str | None = None,
+    ) -> None:
+        self.catalog = catalog
+        self.stores = {s.name: s for s in stores}
+        self.namespace = namespace
+        self.shard = shard
+        self.max_parallel = max_parallel
+        self.byte_budget = byte_budget
+        self.actor = actor
+        self._executor = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="kvc-restore")
+        self._tier_rates: dict[str, float] = {}
+        self._rate_lock = threading.Lock()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    def __enter__(self) -> Restorer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def tier_rates(self) -> dict[str, float]:
+        """Measured fetch+verify bytes/s per tier (for the planner)."""
+        with self._rate_lock:
+            return dict(self._tier_rates)
+
+    def restore(
+        self,
+        pool: Any,
+        tokens: Sequence[int] | np.ndarray[Any, Any],
+        fingerprint: Fingerprint | str,
+        shard: Shard | None = None,
+        *,
+        max_tokens: int | None = None,
+        cancel: threading.Event | None = None,
+    ) -> RestoreResult:
+        """Restore the longest verified stored prefix of `tokens` into a new route of `pool`."""
+        t0 = time.perf_counter()
+        tok = token_array(tokens)
+        fp_hex = fingerprint_hex(fingerprint)
+        shard = shard or self.shard
+        report = RestoreReport()
+        match = self.catalog.lookup(self.namespace, fp_hex, tok, shard=shard, max_tokens=max_tokens)
+        report.seconds["lookup"] = time.perf_counter() - t0
+        if not match.hit:
+            return RestoreResult(None, 0, 0, len(tok), match, report)
+        shard = match.shard
+        assert shard is not None
+        self._check_pool(pool, shard)
+        ps = pool.page_size
+        pages = pool.reserve_pages(math.ceil(match.matched_tokens / ps))
+        try:
+            restored = self._load(pool, pages, match, tok, fp_hex, shard, report, cancel)
+            keep = math.ceil(restored / ps)
+            if keep < len(pages):
+                pool.free_reserved(pages[keep:])
+                pages = pages[:keep]
+            if restored == 0:
+                report.seconds["total"] = time.perf_counter() - t0
+                return RestoreResult(None, 0, 0, len(tok), match, report)
+            route = pool.new_route()
+            pool.attach(route, pages, restored)
+        except BaseException:
+            pool.free_reserved(pages)
+            raise
+        report.seconds["total"] = time.perf_counter() - t0
+        return RestoreResult(route, restored, restored, len(tok), match, report)
+
+    def _check_pool(self, pool: Any, shard: Shard) -> None:
+        pl = pool.layout
+        if (pl.num_layers, pl.num_kv_heads) != (shard.layer_hi - shard.layer_lo, shard.head_hi - shard.head_lo):
+            raise RestoreError(
+                f"pool holds {pl.num_layers} layers x {pl.num_kv_heads} kv heads, "
+                f"the shard to restore is {shard}"
+            )
+
+    def _load(
+        self,
+        pool: Any,
+        pages: list[int],
+        match: Match,
+        tok: np.ndarray[Any, Any],
+        fp_hex: str,
+        shard: Shard,
+        report: RestoreReport,
+        cancel: threading.Event | None,
+    ) -> int:
+        """Fetch, verify and copy chunks in order; return how many leading positions are loaded."""
+        pending: dict[int, Future[tuple[DecodedChunk, str, float]]] = {}
+        in_flight = 0
+        nxt = 0
+        restored = 0
+        chunks = match.chunks
+        fetch_s = copy_s = 0.0
+        while nxt < len(chunks) or pending:
+            # Keep fetches in flight within the byte budget, in order.
+            while nxt < len(chunks) and (not pending or in_flight + chunks[nxt].stored_bytes <= self.byte_budget):
+                c = chunks[nxt]
+                pending[nxt] = self._executor.submit(self._fetch_verified, c, tok, fp_hex, shard, report)
+                in_flight += c.stored_bytes
+                nxt += 1
+            i = min(pending)
+            fut = pending[i]
+            wait([fut], return_when=FIRST_COMPLETED)
+            del pending[i]
+            in_flight -= chunks[i].stored_bytes
+            if cancel is not None and cancel.is_set():
+                self._drain(pending)
+                raise RestoreError("restore cancelled")
+            try:
+                decoded, location, seconds = fut.result()
+            except _ChunkFailed:
+                self._drain(pending)
+                break  # the longest verified prefix ends before this chunk
+            fetch_s += seconds
+            t = time.perf_counter()
+            c = chunks[i]
+            self._copy_into_pages(pool, pages, decoded.kv, c.token_start, c.tokens_used)
+            copy_s += time.perf_counter() - t
+            restored = c.token_start + c.tokens_used
+            report.chunks += 1
+            report.bytes += c.stored_bytes
+            report.replicas_used[location] = report.replicas_used.get(location, 0) + 1
+        report.seconds["fetch+verify"] = fetch_s
+        report.seconds["copy"] = copy_s
+        return restored
+
+    def _drain(self, pending: dict[int, Future[Any]]) -> None:
+        for f in pending.values():
+            f.cancel()
+        for f in pending.values():
+            if not f.cancelled():
+                # Failures of chunks past the cut are already in the catalog and report.
+                with contextlib.suppress(Exception):
+                    f.result()
+        pending.clear()
+
+    @staticmethod
+    def _copy_into_pages(pool: Any, pages: list[int], kv: np.ndarray[Any, Any], start: int, used: int) -> None:
+        # Slice copies page by page into the layer-major pool: no fancy indexing.
+        ps = pool.page_size
+        dst = pool.kv
+        pos = start
+        end = start + used
+        while pos < end:
+            page, slot = divmod(pos, ps)
+            n = min(ps - slot, end - pos)
+            dst[:, :, pages[page], slot : slot + n] = kv[:, :, pos - start : pos - start + n]
+            pos += n
+
+    def _replica_order(self, c: ChunkMatch) -> list[tuple[ReplicaInfo, ChunkStore]]:
+        return [(r, self.stores[r.location]) for r in c.replicas if r.location in self.stores]
+
+    def _fetch_verified(
+        self, c: ChunkMatch, tok: np.ndarray[Any, Any], fp_hex: str, shard: Shard, report: RestoreReport
+    ) -> tuple[DecodedChunk, str, float]:
+        candidates = self._replica_order(c)
+        if not candidates:
+            report.failures.append(f"{c.blob_key[:16]}: no replica in a store this worker can read")
+            raise _ChunkFailed(c.blob_key)
+        for replica, store in candidates:
+            t = time.perf_counter()
+            try:
+                data = store.get(c.blob_key)
+                decoded = decode_chunk(data, expected_key=c.blob_key)
+                self._check_header(decoded, c, tok, fp_hex, shard)
+            except FileNotFoundError as exc:
+                self._mark(c, replica, "missing", str(exc), report)
+                continue
+            except ChunkStoreError as exc:
+                if isinstance(exc, ConnectionError):  # unreachable: not the replica's fault
+                    report.failures.append(f"{c.blob_key[:16]} at {replica.location}: {exc}")
+                    continue
+                self._mark(c, replica, "corrupt", str(exc), report)
+                continue
+            except _HeaderMismatch as exc:
+                self._mark(c, replica, "corrupt", str(exc), report)
+                continue
+            seconds = time.perf_counter() - t
+            self._note_rate(replica.tier, c.stored_bytes, seconds)
+            return decoded, replica.location, seconds
+        raise _ChunkFailed(c.blob_key)
+
+    def _mark(self, c: ChunkMatch, replica: ReplicaInfo, state: str, why: str, report: RestoreReport) -> None:
+        report.failures.append(f"{c.blob_key[:16]} at {replica.location}: {state}: {why[:200]}")
+        log.warning("replica %s of %s is %s: %s", replica.location, c.blob_key, state, why[:200])
+        self.catalog.mark_replica(
+            c.blob_key, replica.location, state, reason=why[:500], namespace=self.namespace, actor=self.actor
+        )
+
+    @staticmethod
+    def _check_header(
+        decoded: DecodedChunk, c: ChunkMatch, tok: np.ndarray[Any, Any], fp_hex: str, shard: Shard
+    ) -> None:
+        h = decoded.header
+        problems = []
+        if h.fingerprint != fp_hex:
+            problems.append("fingerprint")
+        if h.prefix_hash != c.prefix_hash or h.parent_hash != c.parent_hash:
+            problems.append("prefix or parent hash")
+        if h.token_start != c.token_start or len(h.tokens) != c.token_count:
+            problems.append("token range")
+        elif not np.array_equal(
+            np.asarray(h.tokens[: c.tokens_used], dtype=np.uint32), tok[c.token_start : c.token_start + c.tokens_used]
+        ):
+            problems.append("token ids")
+        if tuple(h.layers) != (shard.layer_lo, shard.layer_hi) or tuple(h.kv_heads) != (shard.head_lo, shard.head_hi):
+            problems.append("shard")
+        if decoded.kv.shape[2] != c.token_count:
+            problems.append("shape")
+        if problems:
+            raise _HeaderMismatch(f"blob header disagrees with the catalog: {', '.join(problems)}")
+
+    def _note_rate(self, tier: str, nbytes: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        rate = nbytes / seconds
+        with self._rate_lock:
+            old = self._tier_rates.get(tier)
+            self._tier_rates[tier] = rate if old is None else 0.8 * old + 0.2 * rate
+
+
+class _HeaderMismatch(Exception):
+    """A verified blob whose header is not the chunk the catalog promised."""

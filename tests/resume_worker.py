@@ -1,0 +1,47 @@
+"""Run in a fresh process by the token-exact tests: restore a prefix, finish the prompt, decode, report."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import blake3
+import numpy as np
+
+from catalog.catalog import Catalog
+from chunkstore import open_store
+from restore.engines.reference import ReferenceModel
+from restore.pool import PagePool
+from restore.restore import Restorer
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    model = ReferenceModel.small(seed=args["seed"])
+    pool = PagePool(model.layout, page_size=args["page_size"], num_pages=256)
+    cat = Catalog.open(args["catalog"])
+    stores = [open_store(u) for u in args["stores"]]
+    prompt = args["prompt"]
+    with Restorer(cat, stores, namespace=args["namespace"]) as restorer:
+        res = restorer.restore(pool, prompt, model.fingerprint)
+    route = res.route if res.route is not None else pool.new_route()
+    logits = [model.prefill(pool, route, prompt[res.restored_tokens :])]
+    tokens = []
+    for _ in range(args["n"]):
+        t = int(np.argmax(logits[-1]))
+        tokens.append(t)
+        logits.append(model.decode(pool, route, t))
+    cat.close()
+    print(
+        json.dumps(
+            {
+                "restored": res.restored_tokens,
+                "tokens": tokens,
+                "logits": [blake3.blake3(x.tobytes()).hexdigest() for x in logits],
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
