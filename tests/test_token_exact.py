@@ -67,17 +67,11 @@ def digest(x: np.ndarray[Any, Any]) -> str:
 def straight(tokens: list[int], n: int) -> tuple[list[int], list[str]]:
     """Decode without kvc: prefill everything, then n greedy steps."""
     pool = PagePool(MODEL.layout, page_size=PAGE, num_pages=256)
-    route = pool.new_route()
-    logits = [MODEL.prefill(pool, route, tokens)]
-    out = []
-    for _ in range(n):
-        t = int(np.argmax(logits[-1]))
-        out.append(t)
-        logits.append(MODEL.decode(pool, route, t))
-    return out, [digest(x) for x in logits]
+    return resume(pool, pool.new_route(), tokens, n)
 
 
 def resume(pool: PagePool, route: int, rest: list[int], n: int) -> tuple[list[int], list[str]]:
+    """Prefill `rest` after what the route holds, then n greedy steps: (tokens, logits digests)."""
     logits = [MODEL.prefill(pool, route, rest)]
     out = []
     for _ in range(n):
