@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from catalog.errors import CatalogError, IdentityError
+from catalog.catalog import Catalog
+from catalog.errors import (
+    CatalogError,
+    IdentityError,
+    NotFoundError,
+    PublishError,
+    RefConflictError,
+    SchemaVersionError,
+)
 from catalog.identity import (
     DTYPES,
     AttentionLayout,
@@ -13,13 +21,24 @@ from catalog.identity import (
     fingerprint_hex,
     prefix_hashes,
 )
+from catalog.models import ChunkMatch, ChunkRecord, Match, ReplicaReceipt, Shard
 
 __all__ = [
     "DTYPES",
     "AttentionLayout",
+    "Catalog",
     "CatalogError",
+    "ChunkMatch",
+    "ChunkRecord",
     "Fingerprint",
     "IdentityError",
+    "Match",
+    "NotFoundError",
+    "PublishError",
+    "RefConflictError",
+    "ReplicaReceipt",
+    "SchemaVersionError",
+    "Shard",
     "canonical_json",
     "chain_hash",
     "chain_root",
