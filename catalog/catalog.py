@@ -594,6 +594,99 @@ class Catalog:
 
         return self._retrying(run)
 
+    def replicas_at(self, location: str) -> list[str]:
+        """Blob keys with a replica at `location` (a store name, or `worker:<id>`)."""
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                sa.select(Replica.blob_key)
+                .where(Replica.location == location)
+                .order_by(Replica.blob_key)
+            )
+            return list(rows.scalars())
+
+    def remove_replicas(
+        self, location: str, blob_keys: Sequence[str], *, reason: str, actor: str | None = None
+    ) -> int:
+        """Forget replicas at `location` (e.g. pages a daemon no longer holds); returns how many."""
+        if not blob_keys:
+            return 0
+
+        def run() -> int:
+            with self._write() as conn:
+                res = conn.execute(
+                    sa.delete(Replica).where(
+                        Replica.location == location, Replica.blob_key.in_(sorted(blob_keys))
+                    )
+                )
+                self._event(
+                    conn,
+                    "replica.remove",
+                    None,
+                    location,
+                    actor,
+                    {"replicas": res.rowcount, "reason": reason},
+                )
+                return int(res.rowcount)
+
+        return self._retrying(run)
+
+    def stats(self, namespace: str | None = None) -> dict[str, Any]:
+        """Counts and bytes for a namespace (or all): chunks, prefixes, refs, replicas by state."""
+        with self.engine.connect() as conn:
+            ns_filter: Any = sa.true()
+            if namespace is not None:
+                ns = self._namespace(conn, namespace)
+                if ns is None:
+                    return {
+                        "namespace": namespace,
+                        "chunks": 0,
+                        "prefixes": 0,
+                        "refs": 0,
+                        "stored_bytes": 0,
+                        "kv_bytes": 0,
+                        "replicas": {},
+                    }
+                ns_filter = PrefixNode.namespace_id == ns[0]
+            chunks = conn.execute(
+                sa.select(
+                    sa.func.count(),
+                    sa.func.coalesce(sa.func.sum(Chunk.stored_bytes), 0),
+                    sa.func.coalesce(sa.func.sum(Chunk.kv_bytes), 0),
+                )
+                .select_from(Chunk)
+                .join(PrefixNode, PrefixNode.prefix_hash == Chunk.prefix_hash)
+                .where(ns_filter)
+            ).one()
+            prefixes = conn.execute(
+                sa.select(sa.func.count()).select_from(PrefixNode).where(ns_filter)
+            ).scalar_one()
+            refs_q = sa.select(sa.func.count()).select_from(Ref)
+            if namespace is not None:
+                refs_q = refs_q.join(PrefixNode, PrefixNode.prefix_hash == Ref.head_hash).where(
+                    ns_filter
+                )
+            refs = conn.execute(refs_q).scalar_one()
+            by_state = conn.execute(
+                sa.select(Replica.state, sa.func.count())
+                .where(
+                    Replica.blob_key.in_(
+                        sa.select(Chunk.blob_key)
+                        .join(PrefixNode, PrefixNode.prefix_hash == Chunk.prefix_hash)
+                        .where(ns_filter)
+                    )
+                )
+                .group_by(Replica.state)
+            ).all()
+        return {
+            "namespace": namespace,
+            "chunks": int(chunks[0]),
+            "stored_bytes": int(chunks[1]),
+            "kv_bytes": int(chunks[2]),
+            "prefixes": int(prefixes),
+            "refs": int(refs),
+            "replicas": {state: int(n) for state, n in by_state},
+        }
+
     def record_replica(
         self, blob_key: str, receipt: Any, *, namespace: str | None = None, actor: str | None = None
     ) -> bool:

@@ -511,3 +511,19 @@ def test_siblings_agreeing_beyond_the_indexed_head(cat: Catalog) -> None:
     assert m.matched_tokens == 64 + 43
     n = _count_statements(cat, lambda: cat.lookup("wide", FP, query))
     assert n <= 2
+
+
+def test_stats_and_placements(cat: Catalog) -> None:
+    recs = chain_records("default", TOKENS, receipts=[receipt("file:///l", "local"),
+                                                      receipt("worker:w1", "resident", worker="w1")])
+    cat.record_chunks(recs)
+    publish(cat, "other", TOKENS[:4])
+    st = cat.stats("default")
+    assert (st["chunks"], st["prefixes"], st["stored_bytes"]) == (4, 4, 400)
+    assert st["replicas"] == {"durable": 8}
+    assert cat.stats()["chunks"] == 5 and cat.stats("nowhere")["chunks"] == 0
+    held = cat.replicas_at("worker:w1")
+    assert held == sorted(r.blob_key for r in recs)
+    assert cat.remove_replicas("worker:w1", held[:2], reason="evicted") == 2
+    assert len(cat.replicas_at("worker:w1")) == 2
+    assert cat.events(kind="replica.remove")[0].details == {"replicas": 2, "reason": "evicted"}

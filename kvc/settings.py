@@ -1,0 +1,86 @@
+"""Settings: flags > KVC_* environment > kvc.toml > defaults, and the embedded default home."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+
+def _config_file() -> Path:
+    return Path(os.environ.get("KVC_CONFIG", "kvc.toml"))
+
+
+class Settings(BaseSettings):
+    """Everything kvc needs to run; see `docs/cli.md` for each setting.
+
+    `home` (KVC_HOME, default ./.kvc) holds the embedded default: a SQLite
+    catalog (`catalog.db`) and a local store (`blobs/`), used when
+    `catalog_url` and `stores` are not set.
+    """
+
+    model_config = SettingsConfigDict(env_prefix="KVC_", extra="forbid", validate_default=True)
+
+    home: Path = Path(".kvc")
+    catalog_url: str | None = Field(default=None, description="sqlite:///PATH or postgresql+psycopg://...")
+    stores: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="store URLs, comma-separated in KVC_STORES: the first is written synchronously, "
+        "object stores after it get write-behind uploads",
+    )
+    namespace: str = "default"
+    chunk_size: int = Field(default=256, ge=1, le=65536)
+    page_size: int = Field(default=16, ge=1, le=4096)
+    host: str = "127.0.0.1"
+    port: int = Field(default=8707, ge=1, le=65535)
+    daemon_port: int = Field(default=8708, ge=1, le=65535)
+    worker_id: str | None = None
+    service_url: str | None = Field(default=None, description="use a kvc service instead of a database")
+    service_token: str | None = Field(default=None, repr=False)
+    tokens_file: Path | None = Field(default=None, description="namespace -> sha256(token) for `kvc serve`")
+    max_prompt_tokens: int = Field(default=1 << 20, ge=1)
+
+    @field_validator("stores", mode="before")
+    @classmethod
+    def _split(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [s.strip() for s in v.split(",") if s.strip()]
+        return v
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Flags (init) beat the environment, which beats kvc.toml.
+        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls, _config_file()))
+
+    @property
+    def resolved_catalog_url(self) -> str:
+        return self.catalog_url or f"sqlite:///{self.home.resolve() / 'catalog.db'}"
+
+    @property
+    def resolved_stores(self) -> list[str]:
+        return self.stores or [f"file://{self.home.resolve() / 'blobs'}"]
+
+    @property
+    def uses_embedded_default(self) -> bool:
+        return self.catalog_url is None or not self.stores
+
+
+def load(**flags: Any) -> Settings:
+    """Settings from flags (None means not given), the environment and kvc.toml."""
+    return Settings(**{k: v for k, v in flags.items() if v is not None})
