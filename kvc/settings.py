@@ -31,7 +31,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVC_", extra="forbid", validate_default=True)
 
     home: Path = Path(".kvc")
-    catalog_url: str | None = Field(default=None, description="sqlite:///PATH or postgresql+psycopg://...")
+    catalog_url: str | None = Field(
+        default=None, description="sqlite:///PATH or postgresql+psycopg://..."
+    )
     stores: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="store URLs, comma-separated in KVC_STORES: the first is written synchronously, "
@@ -44,9 +46,13 @@ class Settings(BaseSettings):
     port: int = Field(default=8707, ge=1, le=65535)
     daemon_port: int = Field(default=8708, ge=1, le=65535)
     worker_id: str | None = None
-    service_url: str | None = Field(default=None, description="use a kvc service instead of a database")
+    service_url: str | None = Field(
+        default=None, description="use a kvc service instead of a database"
+    )
     service_token: str | None = Field(default=None, repr=False)
-    tokens_file: Path | None = Field(default=None, description="namespace -> sha256(token) for `kvc serve`")
+    tokens_file: Path | None = Field(
+        default=None, description="namespace -> sha256(token) for `kvc serve`"
+    )
     max_prompt_tokens: int = Field(default=1 << 20, ge=1)
 
     @field_validator("stores", mode="before")

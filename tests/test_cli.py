@@ -63,3 +63,25 @@ def test_default_home(tmp_path: Path) -> None:
     out = _kvc("db", "upgrade", env={"KVC_HOME": str(tmp_path / "home")})
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "home" / "catalog.db").exists()
+
+
+def test_init_is_idempotent(tmp_path: Path) -> None:
+    env = {"KVC_HOME": str(tmp_path / "home")}
+    first = _kvc("init", "--json", env=env)
+    assert first.returncode == 0, first.stderr
+    doc = json.loads(first.stdout)
+    assert doc["schema"] == "0001" and doc["stores"] == [f"file://{tmp_path / 'home' / 'blobs'}"]
+    again = _kvc("init", "--json", env=env)
+    assert again.returncode == 0 and json.loads(again.stdout) == doc
+
+
+def test_settings_precedence_flag_env_file(tmp_path: Path) -> None:
+    (tmp_path / "kvc.toml").write_text('namespace = "from-file"\nchunk_size = 64\n')
+    env = {"KVC_HOME": str(tmp_path / "h"), "KVC_CONFIG": str(tmp_path / "kvc.toml")}
+    assert json.loads(_kvc("init", "--json", env=env).stdout)["namespace"] == "from-file"
+    env["KVC_NAMESPACE"] = "from-env"
+    assert json.loads(_kvc("init", "--json", env=env).stdout)["namespace"] == "from-env"
+    out = _kvc("init", "--json", "--namespace", "from-flag", env=env)
+    assert json.loads(out.stdout)["namespace"] == "from-flag"
+    bad = _kvc("init", env={**env, "KVC_CHUNK_SIZE": "-1"})
+    assert bad.returncode == 2 and "chunk_size" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,0 +1,1 @@
+"""The `kvc` subcommands, one module per group; each exposes `register(cli)`."""

@@ -1,0 +1,135 @@
+"""What every kvc command shares: settings options, one-line errors, JSON output, opening things."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, NoReturn, TypeVar
+
+import click
+from pydantic import ValidationError
+
+from kvc.settings import Settings, load
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Exit codes: 0 ok, 1 problems found (or the command failed), 2 usage or configuration error.
+EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE = 0, 1, 2
+
+
+def fail(message: str, code: int = EXIT_PROBLEMS) -> NoReturn:
+    """One clear line on stderr, no traceback, a meaningful exit code."""
+    click.echo(f"kvc: error: {message}", err=True)
+    sys.exit(code)
+
+
+def emit(as_json: bool, doc: Any, text: str) -> None:
+    """stdout carries only the JSON document with --json; text otherwise."""
+    click.echo(json.dumps(doc, indent=2, sort_keys=True, default=str) if as_json else text)
+
+
+def settings_options(fn: F) -> F:
+    """--home, --catalog, --store (repeatable), --namespace, --chunk-size, --json; builds `settings`."""
+
+    @click.option(
+        "--home",
+        type=click.Path(),
+        default=None,
+        help="Embedded default home (env KVC_HOME, default ./.kvc).",
+    )
+    @click.option(
+        "--catalog",
+        "catalog_url",
+        default=None,
+        metavar="URL",
+        help="Catalog: sqlite:///PATH or postgresql+psycopg://USER@HOST/DB (env KVC_CATALOG_URL).",
+    )
+    @click.option(
+        "--store",
+        "stores",
+        multiple=True,
+        metavar="URL",
+        help="Store URL, repeatable: file:///DIR or s3://BUCKET/PREFIX?endpoint_url=... (env KVC_STORES, comma-separated).",
+    )
+    @click.option(
+        "--namespace",
+        default=None,
+        help="Namespace (tenant) to work in (env KVC_NAMESPACE, default 'default').",
+    )
+    @click.option(
+        "--json",
+        "as_json",
+        is_flag=True,
+        help="Print one JSON document on stdout (logs go to stderr).",
+    )
+    @functools.wraps(fn)
+    def wrapper(
+        home: str | None,
+        catalog_url: str | None,
+        stores: tuple[str, ...],
+        namespace: str | None,
+        as_json: bool,
+        **kwargs: Any,
+    ) -> Any:
+        try:
+            settings = load(
+                home=home, catalog_url=catalog_url, stores=list(stores) or None, namespace=namespace
+            )
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(x) for x in first["loc"])
+            fail(f"invalid setting {where}: {first['msg']}", EXIT_USAGE)
+        return fn(settings=settings, as_json=as_json, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+@contextmanager
+def open_catalog(settings: Settings, *, upgrade: bool = False) -> Iterator[Any]:
+    """The configured catalog, with errors turned into one line (exit 2 for configuration)."""
+    from catalog import Catalog
+    from catalog.database import safe_url
+    from catalog.errors import CatalogError, SchemaVersionError
+
+    url = settings.resolved_catalog_url
+    if settings.catalog_url is None:
+        settings.home.mkdir(parents=True, exist_ok=True)
+    try:
+        cat = Catalog.open(url, upgrade=upgrade)
+    except SchemaVersionError as exc:
+        fail(str(exc), EXIT_USAGE)
+    except CatalogError as exc:
+        fail(str(exc), EXIT_USAGE)
+    except Exception as exc:  # unreachable server, permissions, ...
+        fail(
+            f"cannot open catalog {safe_url(url)}: {exc.__class__.__name__}: {str(exc).splitlines()[0]}"
+        )
+    try:
+        yield cat
+    finally:
+        cat.close()
+
+
+def open_stores(settings: Settings) -> list[Any]:
+    from chunkstore import open_store
+    from chunkstore.errors import StoreURLError
+
+    out = []
+    for url in settings.resolved_stores:
+        try:
+            out.append(open_store(url))
+        except StoreURLError as exc:
+            fail(str(exc), EXIT_USAGE)
+    return out
+
+
+def setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.WARNING,
+        stream=sys.stderr,
+        format="kvc: %(levelname)s %(name)s: %(message)s",
+    )
