@@ -1,0 +1,40 @@
+"""`kvc demo`, the main job: runs on the embedded default, restores shared prefixes, checks exactness."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _kvc(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
+    exe = Path(sys.executable).parent / "kvc"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVC_")}
+    env["KVC_HOME"] = str(home)
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_demo_json_on_a_fresh_home(tmp_path: Path) -> None:
+    out = _kvc("demo", "--json", "--sessions", "2", "--system-tokens", "300", "--new-tokens", "3", home=tmp_path / "h")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)  # stdout carries only the JSON document
+    assert doc["exact"] is True
+    first, *later = doc["sessions"]
+    assert first["restored"] == 0 and first["recomputed"] == first["prompt_tokens"]
+    assert all(s["restored"] >= 256 and s["exact"] for s in later)
+    assert [s["session"] for s in doc["sessions"]] == ["chat-0", "chat-1", "chat-0-fork"]
+    assert doc["stored_bytes"] < doc["per_session_file_bytes"]
+    assert (tmp_path / "h" / "catalog.db").exists() and any((tmp_path / "h" / "blobs").rglob("*"))
+
+
+def test_demo_again_restores_everything_and_prints_a_table(tmp_path: Path) -> None:
+    args = ("--sessions", "1", "--system-tokens", "300", "--new-tokens", "2")
+    assert _kvc("demo", *args, home=tmp_path / "h").returncode == 0
+    out = _kvc("demo", *args, home=tmp_path / "h")
+    assert out.returncode == 0, out.stderr
+    assert "exact" in out.stdout and "NOT EXACT" not in out.stdout
+    row = next(line for line in out.stdout.splitlines() if line.startswith("chat-0 "))
+    restored = int(row.split()[2])
+    assert restored > 0  # the second run finds the first run's chunks
