@@ -1,0 +1,92 @@
+"""`kvc daemon`: serve a page pool's checkpoints and restores over loopback HTTP beside an engine."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import click
+
+from kvc.commands.common import EXIT_USAGE, emit, fail, open_catalog, open_stores, settings_options
+from kvc.settings import Settings
+
+
+@click.command(
+    "daemon",
+    epilog="Example: kvc daemon --worker-id gpu0 --port 8708\n\n"
+    "then: curl -s localhost:8708/v1/configure -d "
+    '\'{"fingerprint": "reference", "num_pages": 256}\' -H content-type:application/json',
+)
+@settings_options
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to bind; anything but loopback exposes the pool to the network.",
+)
+@click.option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Port to bind (env KVC_DAEMON_PORT, default 8708).",
+)
+@click.option(
+    "--worker-id",
+    default=None,
+    help="Name of this worker in the catalog's resident replicas (env KVC_WORKER_ID, "
+    "default HOSTNAME-PID). Keep it stable across restarts so a restart withdraws "
+    "what the previous process advertised.",
+)
+def daemon(
+    settings: Settings, as_json: bool, host: str, port: int | None, worker_id: str | None
+) -> None:
+    """Run the checkpoint/restore daemon beside an inference engine.
+
+    The daemon owns one page pool, configured over HTTP for the engine's model
+    fingerprint. It checkpoints routes into the first store, restores prompts
+    from every store, and advertises the chunks its pool holds as resident
+    replicas of worker:WORKER_ID. On start it withdraws the resident replicas
+    a previous process under the same worker id left behind. Endpoints: see
+    docs/daemon.md."""
+    import uvicorn
+
+    from kvc.daemon import Daemon, create_daemon_app
+    from restore.errors import RestoreError
+
+    worker = worker_id or settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    bind_port = port if port is not None else settings.daemon_port
+    stores = open_stores(settings)
+    try:
+        with open_catalog(settings, upgrade=settings.uses_embedded_default) as cat:
+            try:
+                d = Daemon(
+                    cat,
+                    stores,
+                    worker_id=worker,
+                    namespace=settings.namespace,
+                    chunk_size=settings.chunk_size,
+                    page_size=settings.page_size,
+                )
+            except (RestoreError, ValueError) as exc:
+                fail(str(exc), EXIT_USAGE)
+            with d:
+                withdrawn = d.reconcile()
+                emit(
+                    as_json,
+                    {
+                        "worker": worker,
+                        "url": f"http://{host}:{bind_port}",
+                        "namespace": settings.namespace,
+                        "withdrawn": withdrawn,
+                    },
+                    f"kvc daemon: worker {worker} on http://{host}:{bind_port} "
+                    f"(namespace {settings.namespace}; withdrew {withdrawn} stale resident replicas)",
+                )
+                uvicorn.run(create_daemon_app(d), host=host, port=bind_port, log_level="info")
+    finally:
+        for s in stores:
+            s.close()
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(daemon)

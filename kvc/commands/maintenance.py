@@ -1,0 +1,346 @@
+"""`kvc fsck` and `kvc gc`: checking that catalogued bytes exist, and reclaiming orphan blobs."""
+
+from __future__ import annotations
+
+import sys
+from datetime import UTC, datetime
+from typing import Any
+
+import click
+from tqdm import tqdm
+
+from kvc.commands.common import (
+    EXIT_PROBLEMS,
+    EXIT_USAGE,
+    emit,
+    fail,
+    open_catalog,
+    open_stores,
+    settings_options,
+)
+from kvc.commands.inspect import human_bytes, reporting
+from kvc.settings import Settings
+
+_BATCH = 500  # keys per IN (...) query
+
+
+def _progress(as_json: bool, total: int | None, desc: str) -> tqdm[Any]:
+    # stdout stays clean for --json; a bar is noise when stderr is a file or pipe.
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit="blob",
+        file=sys.stderr,
+        disable=as_json or not sys.stderr.isatty(),
+        leave=False,
+    )
+
+
+def _subset(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    try:
+        n_s, t_s = text.split("/")
+        n, t = int(n_s), int(t_s)
+    except ValueError:
+        fail(f"malformed --subset {text!r}: expected n/t, e.g. 1/4", EXIT_USAGE)
+    if not 1 <= n <= t:
+        fail(f"malformed --subset {text!r}: need 1 <= n <= t", EXIT_USAGE)
+    return n, t
+
+
+def _in_subset(key: str, subset: tuple[int, int] | None) -> bool:
+    # Blob keys are uniform digests, so their leading bits split the work evenly and stably.
+    return subset is None or int(key[:8], 16) % subset[1] == subset[0] - 1
+
+
+# -- fsck -------------------------------------------------------------------------------
+
+
+@click.command(
+    "fsck",
+    epilog="Example: kvc fsck --read-data --subset 1/7   (a seventh of the blobs each night)",
+)
+@settings_options
+@click.option(
+    "--read-data",
+    is_flag=True,
+    help="Download every blob and verify its digest and record (slow; default: existence and size).",
+)
+@click.option(
+    "--subset",
+    "subset_text",
+    metavar="n/t",
+    default=None,
+    help="Check only part n of t (by blob key), to spread the work over runs.",
+)
+def fsck(settings: Settings, as_json: bool, read_data: bool, subset_text: str | None) -> None:
+    """Check every catalogued replica in the configured stores.
+
+    Each replica must exist with its receipt's size; with --read-data its bytes
+    must hash to its key and decode as a valid record. Broken replicas are
+    marked `missing` or `corrupt` in the catalog (restores then skip them); a
+    replica marked broken that checks out again is marked `durable`. Replicas
+    at locations that are not configured stores (other stores, workers) are
+    reported as not checked. Exit 1 when problems were found, 0 when clean."""
+    import sqlalchemy as sa
+
+    from catalog.schema import Replica
+    from chunkstore.errors import (
+        BlobNotFoundError,
+        ChunkFormatError,
+        ChunkIntegrityError,
+        ChunkStoreError,
+    )
+    from chunkstore.record import decode_chunk
+
+    subset = _subset(subset_text)
+    stores = {s.name: s for s in open_stores(settings)}
+    actor = "kvc fsck"
+    missing: list[dict[str, Any]] = []
+    corrupt: list[dict[str, Any]] = []
+    unreachable: list[dict[str, Any]] = []
+    revived: list[dict[str, Any]] = []
+    checked = ok = 0
+    down: dict[str, str] = {}  # store -> first error; its remaining replicas are not checked
+    with open_catalog(settings) as cat, reporting():
+        with cat.engine.connect() as conn:
+            rows = [
+                r
+                for r in conn.execute(
+                    sa.select(Replica.blob_key, Replica.location, Replica.state, Replica.size)
+                    .where(Replica.location.in_(sorted(stores)))
+                    .order_by(Replica.location, Replica.blob_key)
+                ).all()
+                if _in_subset(r.blob_key, subset)
+            ]
+            elsewhere = {
+                loc: int(n)
+                for loc, n in conn.execute(
+                    sa.select(Replica.location, sa.func.count())
+                    .where(Replica.location.not_in(sorted(stores)))
+                    .group_by(Replica.location)
+                    .order_by(Replica.location)
+                ).all()
+            }
+
+        def mark(key: str, loc: str, state: str, reason: str, was: str) -> None:
+            if was != state:  # already marked: no new event
+                cat.mark_replica(key, loc, state, reason=reason, actor=actor)
+
+        with _progress(as_json, len(rows), "fsck") as bar:
+            for key, loc, state, size in rows:
+                bar.update(1)
+                if loc in down:
+                    continue
+                store = stores[loc]
+                item = {"blob_key": key, "location": loc, "was": state}
+                checked += 1
+                try:
+                    st = store.stat(key)
+                    if st.size != size:
+                        reason = f"size {st.size}, receipt says {size}"
+                        corrupt.append({**item, "reason": reason})
+                        mark(key, loc, "corrupt", reason, state)
+                        continue
+                    if read_data:
+                        data = store.get(key)
+                        try:
+                            decode_chunk(data, expected_key=key)
+                        finally:
+                            if isinstance(data, memoryview):
+                                data.release()
+                except BlobNotFoundError:
+                    missing.append({**item, "reason": "not in the store"})
+                    mark(key, loc, "missing", "fsck: not in the store", state)
+                    continue
+                except (ChunkIntegrityError, ChunkFormatError) as exc:
+                    corrupt.append({**item, "reason": str(exc)})
+                    mark(key, loc, "corrupt", f"fsck: {exc}", state)
+                    continue
+                except (ChunkStoreError, OSError) as exc:
+                    # Outcome unknown: leave the replica's state alone.
+                    unreachable.append({**item, "reason": str(exc)})
+                    down[loc] = str(exc)
+                    checked -= 1
+                    continue
+                ok += 1
+                # Bytes that are back (or verified in full) make a broken replica usable again;
+                # stat alone cannot clear a `corrupt` mark.
+                if state == "missing" or (state == "corrupt" and read_data):
+                    cat.mark_replica(key, loc, "durable", reason="fsck: verified", actor=actor)
+                    revived.append({**item, "state": "durable"})
+    for s in stores.values():
+        s.close()
+    skipped = sum(1 for _, loc, _, _ in rows if loc in down) - len(unreachable)
+    problems = bool(missing or corrupt or unreachable)
+    doc = {
+        "read_data": read_data,
+        "subset": subset_text,
+        "stores": sorted(stores),
+        "checked": checked,
+        "ok": ok,
+        "missing": missing,
+        "corrupt": corrupt,
+        "unreachable": unreachable,
+        "skipped_after_error": skipped,
+        "revived": revived,
+        "not_checked": elsewhere,
+        "clean": not problems,
+    }
+    lines = [f"missing  {m['blob_key']} at {m['location']}" for m in missing]
+    lines += [f"corrupt  {c['blob_key']} at {c['location']}: {c['reason']}" for c in corrupt]
+    lines += [f"unreachable {u['location']}: {u['reason']}" for u in unreachable]
+    lines += [f"revived  {r['blob_key']} at {r['location']} (was {r['was']})" for r in revived]
+    lines.append(
+        f"checked {checked} replica(s) in {len(stores)} store(s)"
+        f"{' reading data' if read_data else ''}: {ok} ok, {len(missing)} missing, "
+        f"{len(corrupt)} corrupt" + (f", {skipped} skipped after errors" if skipped else "")
+    )
+    for loc, n in elsewhere.items():
+        lines.append(f"not checked: {n} replica(s) at {loc} (not a configured store)")
+    emit(as_json, doc, "\n".join(lines))
+    if problems:
+        sys.exit(EXIT_PROBLEMS)
+
+
+# -- gc ----------------------------------------------------------------------------------
+
+
+def _still_catalogued(cat: Any, location: str, keys: list[str]) -> set[str]:
+    import sqlalchemy as sa
+
+    from catalog.schema import Replica
+
+    out: set[str] = set()
+    with cat.engine.connect() as conn:
+        for i in range(0, len(keys), _BATCH):
+            out.update(
+                conn.execute(
+                    sa.select(Replica.blob_key).where(
+                        Replica.location == location, Replica.blob_key.in_(keys[i : i + _BATCH])
+                    )
+                ).scalars()
+            )
+    return out
+
+
+@click.command("gc", epilog="Example: kvc gc --dry-run   (then: kvc gc --grace 86400)")
+@settings_options
+@click.option(
+    "--grace",
+    type=click.FloatRange(min=0),
+    default=3600.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="Only blobs not modified for this long are orphans (a publish in flight is younger); "
+    "keep it above the stores' refresh_after_s (900 s by default).",
+)
+@click.option("--dry-run", is_flag=True, help="List what would be deleted; delete nothing.")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Run even though the catalog records missing replicas in a configured store.",
+)
+def gc(settings: Settings, as_json: bool, grace: float, dry_run: bool, force: bool) -> None:
+    """Delete orphan blobs: bytes in a configured store that no catalog replica names.
+
+    A blob is an orphan when no replica row names it at that store and it has
+    not been modified for --grace seconds (a crashed publish leaves such bytes;
+    a publish that reuses a blob refreshes its time, so GC never deletes what a
+    concurrent publish relies on). Refuses to run while the catalog records
+    `missing` replicas in a configured store (a sign the catalog and the store
+    disagree; see `kvc fsck`) unless --force.
+
+    This first version reclaims orphans only: retention of chunks and refs by
+    age and bytes per namespace comes in a later version."""
+    import sqlalchemy as sa
+
+    from catalog.schema import Replica
+    from chunkstore.errors import BlobNotFoundError, ChunkStoreError
+
+    stores = open_stores(settings)
+    now = datetime.now(UTC)
+    deleted: list[dict[str, Any]] = []
+    young = kept = 0
+    errors: list[str] = []
+    with open_catalog(settings) as cat, reporting():
+        with cat.engine.connect() as conn:
+            broken = conn.execute(
+                sa.select(sa.func.count()).where(
+                    Replica.location.in_([s.name for s in stores]), Replica.state == "missing"
+                )
+            ).scalar_one()
+        if broken and not force and not dry_run:
+            fail(
+                f"the catalog records {broken} missing replica(s) in the configured stores; "
+                "check with `kvc fsck` (or run with --force)",
+                EXIT_PROBLEMS,
+            )
+        for store in stores:
+            # Catalogue first, then list: a blob published meanwhile is young, so it is kept.
+            catalogued = set(cat.replicas_at(store.name))
+            candidates: dict[str, tuple[int, float]] = {}
+            try:
+                with _progress(as_json, None, f"gc {store.name}") as bar:
+                    for key in store.keys():
+                        bar.update(1)
+                        if key in catalogued:
+                            kept += 1
+                            continue
+                        try:
+                            st = store.stat(key)
+                        except BlobNotFoundError:
+                            continue
+                        age = (now - st.mtime).total_seconds()
+                        if age < grace:
+                            young += 1
+                        else:
+                            candidates[key] = (st.size, age)
+                # Catalogued since the snapshot: not an orphan any more.
+                for key in _still_catalogued(cat, store.name, sorted(candidates)):
+                    del candidates[key]
+                    kept += 1
+                for key, (size, age) in sorted(candidates.items()):
+                    if not dry_run:
+                        try:
+                            # Refreshed by a publish since we looked: keep it.
+                            if (datetime.now(UTC) - store.stat(key).mtime).total_seconds() < grace:
+                                young += 1
+                                continue
+                        except BlobNotFoundError:
+                            continue
+                        store.delete(key)
+                    deleted.append(
+                        {"store": store.name, "blob_key": key, "size": size, "age_s": round(age)}
+                    )
+            except ChunkStoreError as exc:
+                errors.append(f"{store.name}: {exc}")
+                click.echo(f"kvc: warning: {store.name}: {exc}", err=True)
+            finally:
+                store.close()
+    total = sum(d["size"] for d in deleted)
+    verb = "would delete" if dry_run else "deleted"
+    doc = {
+        "dry_run": dry_run,
+        "grace_s": grace,
+        "stores": [s.name for s in stores],
+        "deleted": deleted,
+        "deleted_bytes": total,
+        "kept_catalogued": kept,
+        "kept_young": young,
+        "errors": errors,
+    }
+    lines = [f"{verb} {d['blob_key']} at {d['store']} ({d['age_s']} s old)" for d in deleted]
+    lines.append(
+        f"{verb} {len(deleted)} orphan blob(s), {human_bytes(total)}; kept {kept} catalogued, "
+        f"{young} younger than {grace:g} s"
+    )
+    emit(as_json, doc, "\n".join(lines))
+    if errors:
+        sys.exit(EXIT_PROBLEMS)
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(fsck)
+    cli.add_command(gc)

@@ -1,0 +1,109 @@
+"""`kvc serve` (the catalog over HTTP) and `kvc serve-hash-token` (a line for the tokens file)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import click
+
+from kvc.commands.common import EXIT_USAGE, fail, open_catalog, settings_options, setup_logging
+from kvc.settings import Settings
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def load_tokens(path: Path) -> dict[str, str]:
+    """The tokens file: a JSON object mapping namespace -> sha256 hex of its bearer token."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        fail(f"tokens file {path} does not exist", EXIT_USAGE)
+    except (OSError, UnicodeDecodeError) as exc:
+        fail(f"cannot read tokens file {path}: {exc.__class__.__name__}", EXIT_USAGE)
+    except json.JSONDecodeError as exc:
+        fail(f"tokens file {path} is not JSON (line {exc.lineno})", EXIT_USAGE)
+    if not isinstance(doc, dict) or not doc:
+        fail(f"tokens file {path} must be a non-empty JSON object namespace -> sha256", EXIT_USAGE)
+    for ns, h in doc.items():
+        # Never echo the value: someone may have pasted a token instead of its hash.
+        if not ns or not isinstance(h, str) or not _HEX64.fullmatch(h.lower()):
+            fail(
+                f"tokens file {path}: the entry for namespace {ns!r} is not a sha256 hex digest "
+                "(make one with `kvc serve-hash-token`)",
+                EXIT_USAGE,
+            )
+    return {str(ns): str(h).lower() for ns, h in doc.items()}
+
+
+@click.command(
+    "serve",
+    epilog="""Example:
+
+\b
+  kvc serve-hash-token < token.txt   # -> put {"default": "<hash>"} in tokens.json
+  kvc serve --catalog postgresql+psycopg://kvc@db/kvc --tokens-file tokens.json --port 8707
+  curl -H "Authorization: Bearer $(cat token.txt)" http://127.0.0.1:8707/v1/namespaces/default/stats
+
+See docs/http-api.md for the endpoints.""",
+)
+@settings_options
+@click.option("--host", default=None, help="Address to bind (env KVC_HOST, default 127.0.0.1).")
+@click.option("--port", type=int, default=None, help="Port (env KVC_PORT, default 8707).")
+@click.option(
+    "--tokens-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="JSON object namespace -> sha256 hex of its bearer token (env KVC_TOKENS_FILE). Required.",
+)
+@click.option("-v", "--verbose", is_flag=True, help="Log debug details to stderr.")
+def serve(
+    settings: Settings,
+    as_json: bool,
+    host: str | None,
+    port: int | None,
+    tokens_file: Path | None,
+    verbose: bool,
+) -> None:
+    """Serve the catalog over HTTP to workers holding a namespace's bearer token.
+
+    Each namespace in the tokens file is reachable only with its token; another
+    namespace answers 404. GET /healthz and /metrics need no token."""
+    import uvicorn
+
+    from kvc.service import create_app
+
+    setup_logging(verbose)
+    path = tokens_file or settings.tokens_file
+    if path is None:
+        fail("no tokens file: pass --tokens-file or set KVC_TOKENS_FILE", EXIT_USAGE)
+    tokens = load_tokens(path)
+    bind_host = host or settings.host
+    bind_port = port if port is not None else settings.port
+    if not 1 <= bind_port <= 65535:
+        fail(f"--port must be in 1..65535, got {bind_port}", EXIT_USAGE)
+    with open_catalog(settings) as cat:
+        app = create_app(cat, tokens, max_prompt_tokens=settings.max_prompt_tokens)
+        click.echo(
+            f"kvc: serving {cat.url} for {len(tokens)} namespace(s) on http://{bind_host}:{bind_port}",
+            err=True,
+        )
+        uvicorn.run(app, host=bind_host, port=bind_port, log_level="debug" if verbose else "info")
+
+
+@click.command("serve-hash-token", epilog="Example: kvc serve-hash-token < token.txt")
+def serve_hash_token() -> None:
+    """Print the sha256 hex of the token read from stdin (one line), for a tokens file."""
+    from kvc.service import hash_token
+
+    token = sys.stdin.readline().strip()
+    if not token:
+        fail("no token on stdin", EXIT_USAGE)
+    click.echo(hash_token(token))
+
+
+def register(cli: click.Group) -> None:
+    cli.add_command(serve)
+    cli.add_command(serve_hash_token)

@@ -1,0 +1,318 @@
+"""The checkpoint/restore daemon: two workers on one catalog, resident replicas, reconcile, HTTP errors."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from catalog import Fingerprint
+from catalog.catalog import Catalog
+from chunkstore import ChunkStore, open_store
+from kvc.commands.daemon import register
+from kvc.daemon import Daemon, create_daemon_app
+from restore.engines.reference import ReferenceModel
+from restore.pool import PagePool
+
+with warnings.catch_warnings():
+    # Starlette nudges towards `httpx2`; the project uses httpx, which TestClient still supports.
+    warnings.filterwarnings("ignore", message=".*httpx2.*")
+    from fastapi.testclient import TestClient
+
+MODEL = ReferenceModel.small(seed=0)
+CHUNK = 32
+PROMPT = np.random.default_rng(7).integers(0, MODEL.vocab_size, 3 * CHUNK + 9).tolist()
+
+Worker = tuple[Daemon, TestClient]
+
+
+@pytest.fixture
+def cat(tmp_path: Path) -> Iterator[Catalog]:
+    c = Catalog.open(f"sqlite:///{tmp_path / 'catalog.db'}", upgrade=True)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[ChunkStore]:
+    s = open_store(f"file://{tmp_path / 'blobs'}")
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def worker(cat: Catalog, store: ChunkStore) -> Iterator[Callable[[str], Worker]]:
+    """Start daemons on the shared catalog and store; each is closed at the end of the test."""
+    started: list[Daemon] = []
+
+    def start(worker_id: str) -> Worker:
+        d = Daemon(
+            cat,
+            [store],
+            worker_id=worker_id,
+            namespace="ns",
+            chunk_size=CHUNK,
+            page_size=16,
+            engines=[MODEL],
+        )
+        started.append(d)
+        d.reconcile()
+        return d, TestClient(create_daemon_app(d))
+
+    yield start
+    for d in started:
+        d.close()
+
+
+def configured(start: Callable[[str], Worker], worker_id: str) -> Worker:
+    d, client = start(worker_id)
+    r = client.post("/v1/configure", json={"fingerprint": "reference", "num_pages": 64})
+    assert r.status_code == 200, r.text
+    assert r.json()["fingerprint"] == MODEL.fingerprint.hex
+    return d, client
+
+
+def pool_of(d: Daemon) -> PagePool:
+    pool = d.pool
+    assert pool is not None
+    return pool
+
+
+def prefill_and_checkpoint(client: TestClient, tokens: list[int]) -> dict[str, Any]:
+    r = client.post("/v1/prefill", json={"tokens": tokens})
+    assert r.status_code == 200, r.text
+    route = r.json()["route"]
+    assert r.json()["length"] == len(tokens)
+    r = client.post("/v1/checkpoint", json={"route": route, "tokens": tokens})
+    assert r.status_code == 200, r.text
+    doc: dict[str, Any] = r.json()
+    return doc
+
+
+def test_checkpoint_on_one_daemon_restores_bit_exact_on_another(
+    worker: Callable[[str], Worker],
+) -> None:
+    a, client_a = configured(worker, "A")
+    b, client_b = worker("B")
+    # B names the fingerprint by hex: A's configure registered it in the catalog.
+    r = client_b.post("/v1/configure", json={"fingerprint": MODEL.fingerprint.hex, "num_pages": 64})
+    assert r.status_code == 200, r.text
+
+    cp = prefill_and_checkpoint(client_a, PROMPT)
+    assert (cp["new_chunks"], cp["skipped_chunks"], cp["chunks"]) == (4, 0, 4)
+    assert cp["head"] is not None and len(cp["head"]) == 64
+    route_a = cp["route"]
+
+    r = client_b.post("/v1/restore", json={"tokens": PROMPT})
+    assert r.status_code == 200, r.text
+    hit = r.json()
+    assert hit["restored_tokens"] == len(PROMPT) - 1
+    assert hit["recompute_from"] == len(PROMPT) - 1
+    k_b, v_b = pool_of(b).read(hit["route"])
+    k_a, v_a = pool_of(a).read(route_a, 0, len(PROMPT) - 1)
+    assert k_b.tobytes() == k_a.tobytes() and v_b.tobytes() == v_a.tobytes()
+
+    # Feeding the pending token on B's restored route continues exactly like A.
+    r = client_b.post("/v1/prefill", json={"tokens": PROMPT[-1:], "route": hit["route"]})
+    assert r.status_code == 200, r.text
+    assert pool_of(b).read(hit["route"])[0].tobytes() == pool_of(a).read(route_a)[0].tobytes()
+
+    stats = client_b.get("/v1/stats").json()
+    assert stats["restores"] == 1 and stats["restored_tokens"] == len(PROMPT) - 1
+    assert stats["restored_bytes"] > 0
+    assert stats["pages_total"] == 64 and stats["pages_free"] < 64
+
+
+def test_a_second_checkpoint_of_the_same_prefix_stores_nothing_new(
+    worker: Callable[[str], Worker],
+) -> None:
+    _, client = configured(worker, "A")
+    prefill_and_checkpoint(client, PROMPT)
+    again = prefill_and_checkpoint(client, PROMPT)
+    assert (again["new_chunks"], again["skipped_chunks"], again["stored_bytes"]) == (0, 4, 0)
+
+
+def test_a_miss_answers_204(worker: Callable[[str], Worker]) -> None:
+    _, client_a = configured(worker, "A")
+    prefill_and_checkpoint(client_a, PROMPT)
+    _, client_b = configured(worker, "B")
+    other = [(t + 1) % MODEL.vocab_size for t in PROMPT]
+    r = client_b.post("/v1/restore", json={"tokens": other})
+    assert r.status_code == 204
+    assert r.content == b""
+    stats = client_b.get("/v1/stats").json()
+    assert stats["restore_misses"] == 1 and stats["routes"] == {}
+
+
+def test_resident_replicas_are_advertised_and_reconciled_away_on_restart(
+    worker: Callable[[str], Worker], cat: Catalog, store: ChunkStore
+) -> None:
+    _, client_a = configured(worker, "A")
+    prefill_and_checkpoint(client_a, PROMPT)
+    match = cat.lookup("ns", MODEL.fingerprint, [*PROMPT, 0])
+    keys = sorted(c.blob_key for c in match.chunks)
+    assert len(keys) == 4
+    assert cat.replicas_at("worker:A") == keys
+    for c in match.chunks:
+        resident = [r for r in c.replicas if r.location == "worker:A"]
+        assert [(r.tier, r.worker) for r in resident] == [("resident", "A")]
+
+    # B restores the prefix: it now holds the chunks it loaded whole, too (not the
+    # tail, whose last position stays pending).
+    _, client_b = configured(worker, "B")
+    assert client_b.post("/v1/restore", json={"tokens": PROMPT}).status_code == 200
+    whole = sorted(c.blob_key for c in match.chunks if c.token_start + c.token_count < len(PROMPT))
+    assert len(whole) == 3
+    assert cat.replicas_at("worker:B") == whole
+
+    # A new process under worker id A holds nothing: its start withdraws A's replicas only.
+    restarted, _ = worker("A")
+    assert cat.replicas_at("worker:A") == []
+    assert cat.replicas_at("worker:B") == whole
+    assert cat.replicas_at(store.name) == keys
+    assert restarted.reconcile() == 0
+
+
+def test_clear_and_release_withdraw_what_the_pool_no_longer_holds(
+    worker: Callable[[str], Worker], cat: Catalog
+) -> None:
+    d, client = configured(worker, "A")
+    first = prefill_and_checkpoint(client, PROMPT[: 2 * CHUNK])
+    second = prefill_and_checkpoint(client, PROMPT)
+    assert len(cat.replicas_at("worker:A")) == 4
+
+    # The first two chunks are still held by the second route.
+    r = client.post("/v1/release", json={"route": first["route"]})
+    assert r.status_code == 200
+    assert len(cat.replicas_at("worker:A")) == 4
+    assert client.post("/v1/release", json={"route": first["route"]}).status_code == 404
+
+    r = client.post("/v1/clear")
+    assert r.status_code == 200 and r.json()["released"] == [second["route"]]
+    assert cat.replicas_at("worker:A") == []
+    stats = client.get("/v1/stats").json()
+    assert stats["routes"] == {} and stats["pages_free"] == stats["pages_total"] == 64
+    assert pool_of(d).routes() == []
+
+
+def test_reconfiguring_with_another_fingerprint_drops_the_pool(
+    worker: Callable[[str], Worker], cat: Catalog
+) -> None:
+    d, client = configured(worker, "A")
+    prefill_and_checkpoint(client, PROMPT)
+    old = pool_of(d)
+    # The same request again keeps the pool and its routes.
+    r = client.post("/v1/configure", json={"fingerprint": "reference", "num_pages": 64})
+    assert r.json()["reconfigured"] is False and d.pool is old
+
+    other = ReferenceModel.small(seed=0, kv_dtype="float32").fingerprint
+    r = client.post("/v1/configure", json={"fingerprint": dict(other.descriptor), "num_pages": 8})
+    assert r.status_code == 200, r.text
+    assert r.json()["reconfigured"] is True and r.json()["layout"]["dtype"] == "float32"
+    assert d.pool is not old and pool_of(d).routes() == []
+    assert cat.replicas_at("worker:A") == []
+    # Not a model the daemon can run: prefill is the reference hook only.
+    r = client.post("/v1/prefill", json={"tokens": [1, 2, 3]})
+    assert r.status_code == 409 and "reference" in r.json()["error"]
+
+
+def test_requests_before_configure_and_on_unknown_routes_are_refused(
+    worker: Callable[[str], Worker],
+) -> None:
+    _, client = worker("A")
+    assert client.get("/healthz").json() == {"ok": True, "worker": "A", "configured": False}
+    r = client.post("/v1/restore", json={"tokens": [1, 2, 3]})
+    assert r.status_code == 409 and "configure" in r.json()["error"]
+    assert client.post("/v1/configure", json={"fingerprint": "ab" * 32, "num_pages": 4}).json()[
+        "field"
+    ] == ("fingerprint")
+
+    _, client = configured(worker, "B")
+    r = client.post("/v1/checkpoint", json={"route": 99, "tokens": [1, 2]})
+    assert (r.status_code, r.json()["field"]) == (404, "route")
+    route = client.post("/v1/prefill", json={"tokens": [1, 2]}).json()["route"]
+    r = client.post("/v1/checkpoint", json={"route": route, "tokens": [1, 2, 3]})
+    assert r.status_code == 409 and "holds 2 positions" in r.json()["error"]
+    r = client.post("/v1/prefill", json={"tokens": [MODEL.vocab_size]})
+    assert (r.status_code, r.json()["field"]) == (422, "tokens")
+    r = client.post("/v1/prefill", json={"tokens": list(range(200)) * 6})
+    assert r.status_code == 507 and "free" in r.json()["error"]
+    errors = client.get("/v1/stats").json()["last_errors"]
+    assert [e["status"] for e in errors] == [404, 409, 422, 507]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/v1/restore", {}, "tokens"),
+        ("/v1/restore", {"tokens": []}, "tokens"),
+        ("/v1/restore", {"tokens": ["1", 2]}, "tokens.0"),
+        ("/v1/restore", {"tokens": [-1]}, "tokens.0"),
+        ("/v1/restore", {"tokens": [1], "extra": 1}, "extra"),
+        ("/v1/checkpoint", {"tokens": [1, 2]}, "route"),
+        ("/v1/checkpoint", {"route": 1, "tokens": [1], "pending": 1.5}, "pending"),
+        ("/v1/configure", {"fingerprint": "reference", "num_pages": 0}, "num_pages"),
+        ("/v1/configure", {"fingerprint": {"format": 1}, "num_pages": 4}, "fingerprint"),
+        ("/v1/configure", {"fingerprint": 123, "num_pages": 4}, "fingerprint"),
+        ("/v1/configure", {"fingerprint": "reference", "num_pages": 1 << 40}, "num_pages"),
+        ("/v1/prefill", "not json", "body"),
+    ],
+)
+def test_bad_bodies_answer_422_naming_the_field(
+    worker: Callable[[str], Worker], path: str, body: Any, field: str
+) -> None:
+    _, client = configured(worker, "A")
+    if isinstance(body, str):
+        r = client.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = client.post(path, json=body)
+    assert r.status_code == 422, r.text
+    doc = r.json()
+    named = doc.get("fields", [doc.get("field")])
+    assert field in named, doc
+    assert "Traceback" not in r.text
+
+
+def test_unexpected_errors_answer_500_without_a_traceback(
+    worker: Callable[[str], Worker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d, client = configured(worker, "A")
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise KeyError("secret internals")
+
+    monkeypatch.setattr(d.catalog, "lookup", boom)
+    r = client.post("/v1/restore", json={"tokens": PROMPT})
+    assert r.status_code == 500
+    assert "KeyError" in r.json()["error"] and "secret" not in r.text
+    assert "Traceback" not in r.text
+
+
+def test_a_fingerprint_descriptor_configures_the_pool_geometry(
+    worker: Callable[[str], Worker],
+) -> None:
+    d, client = worker("A")
+    fp = Fingerprint.from_descriptor(MODEL.fingerprint.descriptor)
+    r = client.post(
+        "/v1/configure",
+        json={"fingerprint": dict(fp.descriptor), "num_pages": 10, "page_size": 8},
+    )
+    assert r.status_code == 200, r.text
+    pool = pool_of(d)
+    assert (pool.num_pages, pool.page_size, pool.layout) == (10, 8, MODEL.layout)
+
+
+def test_cli_help_shows_an_example() -> None:
+    group = click.Group("kvc")
+    register(group)
+    result = CliRunner().invoke(group, ["daemon", "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Example: kvc daemon" in result.output
+    for option in ("--host", "--port", "--worker-id", "--catalog", "--store"):
+        assert option in result.output

@@ -1,0 +1,129 @@
+"""Token-exact resume through a real `kvc serve` (uvicorn on loopback) with RemoteCatalog."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import uvicorn
+
+from catalog.catalog import Catalog
+from catalog.errors import NotFoundError
+from chunkstore import ChunkStore, open_store
+from kvc.remote import RemoteCatalog
+from kvc.service import create_app, hash_token
+from restore.checkpoint import Checkpointer
+from restore.engines.reference import ReferenceModel
+from restore.pool import PagePool
+from restore.restore import Restorer
+from tests.test_token_exact import digest
+
+PAGE, CHUNK = 16, 32
+MODEL = ReferenceModel.small(seed=0)
+TOKEN = "remote-test-token-0c4e"
+
+
+@pytest.fixture
+def catalog(tmp_path: Path) -> Iterator[Catalog]:
+    cat = Catalog.open(f"sqlite:///{tmp_path / 'catalog.db'}", upgrade=True)
+    yield cat
+    cat.close()
+
+
+@pytest.fixture
+def base_url(catalog: Catalog) -> Iterator[str]:
+    """A uvicorn server in a thread, on a socket bound here (no port race)."""
+    app = create_app(catalog, {"default": hash_token(TOKEN)}, max_prompt_tokens=4096)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive(), "uvicorn exited before it started"
+        assert time.monotonic() < deadline, "uvicorn did not start within 20 s"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)
+        sock.close()
+        assert not thread.is_alive()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[ChunkStore]:
+    s = open_store(f"file://{tmp_path / 'blobs'}")
+    yield s
+    s.close()
+
+
+def prompt(n: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(1).integers(0, MODEL.vocab_size, n)]
+
+
+def run(pool: PagePool, route: int, rest: list[int], n: int) -> tuple[list[int], list[str]]:
+    logits = [MODEL.prefill(pool, route, rest)]
+    out = []
+    for _ in range(n):
+        t = int(np.argmax(logits[-1]))
+        out.append(t)
+        logits.append(MODEL.decode(pool, route, t))
+    return out, [digest(x) for x in logits]
+
+
+def test_resume_through_the_service_is_bit_identical(
+    base_url: str, store: ChunkStore, catalog: Catalog
+) -> None:
+    p = prompt(100)
+    fresh = PagePool(MODEL.layout, page_size=PAGE, num_pages=256)
+    want = run(fresh, fresh.new_route(), p, 5)
+
+    with RemoteCatalog(base_url, TOKEN) as remote:
+        pool = PagePool(MODEL.layout, page_size=PAGE, num_pages=256)
+        route = pool.new_route()
+        MODEL.prefill(pool, route, p)
+        with Checkpointer(remote, store, chunk_size=CHUNK) as cp:  # type: ignore[arg-type]
+            cp.checkpoint(pool, route, p, MODEL.fingerprint, name="conversation")
+
+        target = PagePool(MODEL.layout, page_size=PAGE, num_pages=256)
+        with Restorer(remote, [store]) as r:  # type: ignore[arg-type]
+            res = r.restore(target, p, MODEL.fingerprint)
+        assert res.restored_tokens == 99 and res.route is not None
+        got = run(target, res.route, p[99:], 5)
+        assert got == want  # tokens and every logits vector, bit for bit
+
+        ref = remote.get_ref("default", "conversation")
+        assert ref.processed == 100
+        assert remote.lineage("default", ref.head_hash)[-1].prefix_hash == ref.head_hash
+    # What the service wrote is in the catalog itself.
+    assert catalog.get_ref("default", "conversation").head_hash == ref.head_hash
+    assert catalog.stats("default")["chunks"] == 4
+
+
+def test_a_second_checkpoint_moves_the_ref_by_cas_and_skips_known_chunks(
+    base_url: str, store: ChunkStore
+) -> None:
+    p = prompt(100)
+    pool = PagePool(MODEL.layout, page_size=PAGE, num_pages=256)
+    route = pool.new_route()
+    MODEL.prefill(pool, route, p)
+    with RemoteCatalog(base_url, TOKEN) as remote:
+        with Checkpointer(remote, store, chunk_size=CHUNK) as cp:  # type: ignore[arg-type]
+            first: Any = cp.checkpoint(pool, route, p[:64], MODEL.fingerprint, name="c")
+            second: Any = cp.checkpoint(pool, route, p, MODEL.fingerprint, name="c")
+        assert first.new_chunks == 2
+        assert second.skipped_chunks == 2 and second.new_chunks == 2
+        assert remote.get_ref("default", "c").processed == 100
+        remote.delete_ref("default", "c")
+        with pytest.raises(NotFoundError):
+            remote.get_ref("default", "c")

@@ -1,0 +1,304 @@
+"""The HTTP service: auth and tenancy, status codes, publish and lookup, refs, quarantine, metrics."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+with warnings.catch_warnings():
+    # Starlette nudges towards `httpx2`; the project uses httpx, which TestClient still supports.
+    warnings.filterwarnings("ignore", message=".*httpx2.*")
+    from fastapi.testclient import TestClient
+
+from catalog.catalog import Catalog
+from kvc.remote import RemoteCatalog
+from kvc.service import ChunkRecordModel, create_app, hash_token
+from tests.catalog_helpers import CS, FP, chain_records, publish
+
+TOKEN_A = "token-for-namespace-a-7f3c"
+TOKEN_B = "token-for-namespace-b-91d2"
+MAX_PROMPT = 64
+TOKENS = list(range(100, 110))  # 2 full chunks of 4 and a tail of 2
+
+
+@pytest.fixture
+def cat(tmp_path: Path) -> Iterator[Catalog]:
+    c = Catalog.open(f"sqlite:///{tmp_path / 'catalog.db'}", upgrade=True)
+    c.ensure_namespace("a", CS)
+    c.ensure_namespace("b", CS)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def client(cat: Catalog) -> Iterator[TestClient]:
+    tokens = {"a": hash_token(TOKEN_A), "b": hash_token(TOKEN_B), "empty": hash_token("e")}
+    app = create_app(cat, tokens, max_prompt_tokens=MAX_PROMPT)
+    with TestClient(app, raise_server_exceptions=False) as c:
+        yield c
+
+
+def auth(token: str = TOKEN_A) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def metrics(client: TestClient) -> dict[str, float]:
+    text = client.get("/metrics").text
+    return {
+        line.split()[0]: float(line.split()[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+
+
+def lookup_body(tokens: list[int] = TOKENS, **kw: Any) -> dict[str, Any]:
+    return {"fingerprint": FP.hex, "tokens": tokens, **kw}
+
+
+def publish_body(namespace: str = "a", tokens: list[int] = TOKENS) -> dict[str, Any]:
+    recs = chain_records(namespace, tokens)
+    return {
+        "fingerprints": {FP.hex: dict(FP.descriptor)},
+        "records": [ChunkRecordModel.of(r).model_dump(mode="json") for r in recs],
+    }
+
+
+def test_healthz_needs_no_token(client: TestClient) -> None:
+    r = client.get("/healthz")
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+
+
+def test_publish_then_lookup_hits_with_the_plan(client: TestClient, cat: Catalog) -> None:
+    r = client.post("/v1/namespaces/a/chunks", json=publish_body(), headers=auth())
+    assert r.status_code == 200, r.text
+    assert r.json()["recorded"] == 3
+    again = client.post("/v1/namespaces/a/chunks", json=publish_body(), headers=auth())
+    assert again.json()["recorded"] == 0 and again.json()["already_present"] == 3
+
+    r = client.post("/v1/namespaces/a/lookup", json=lookup_body([*TOKENS, 7]), headers=auth())
+    assert r.status_code == 200
+    plan = r.json()
+    assert plan["matched_tokens"] == 10
+    assert [c["token_start"] for c in plan["chunks"]] == [0, 4, 8]
+    assert [c["tokens_used"] for c in plan["chunks"]] == [4, 4, 2]
+    first = plan["chunks"][0]
+    assert len(first["prefix_hash"]) == 64 and len(first["blob_key"]) == 64
+    assert first["replicas"][0]["state"] == "durable"
+    # The same plan the catalog gives in-process.
+    local = cat.lookup("a", FP, [*TOKENS, 7])
+    assert [c["blob_key"] for c in plan["chunks"]] == [c.blob_key for c in local.chunks]
+
+
+def test_lookup_miss_is_204(client: TestClient) -> None:
+    r = client.post("/v1/namespaces/a/lookup", json=lookup_body(), headers=auth())
+    assert r.status_code == 204 and r.content == b""
+
+
+def test_metrics_count_lookups_hits_tokens_and_publishes(client: TestClient) -> None:
+    before = metrics(client)
+    client.post("/v1/namespaces/a/chunks", json=publish_body(), headers=auth())
+    client.post("/v1/namespaces/a/lookup", json=lookup_body([*TOKENS, 7]), headers=auth())
+    client.post("/v1/namespaces/a/lookup", json=lookup_body([1, 2, 3]), headers=auth())
+    after = metrics(client)
+    assert after["kvc_publish_chunks_total"] - before["kvc_publish_chunks_total"] == 3
+    assert after["kvc_lookups_total"] - before["kvc_lookups_total"] == 2
+    assert after["kvc_lookup_hits_total"] - before["kvc_lookup_hits_total"] == 1
+    assert after["kvc_restorable_tokens_total"] - before["kvc_restorable_tokens_total"] == 10
+    assert "# TYPE kvc_errors_total counter" in client.get("/metrics").text
+
+
+def test_unexpected_error_is_a_bare_500_and_counted(
+    client: TestClient, cat: Catalog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def boom(*a: object, **k: object) -> None:
+        raise RuntimeError("secret internals /etc/db-password")
+
+    monkeypatch.setattr(cat, "stats", boom)
+    before = metrics(client)["kvc_errors_total"]
+    r = client.get("/v1/namespaces/a/stats", headers=auth())
+    assert r.status_code == 500
+    assert r.json() == {"detail": "internal error"}
+    assert metrics(client)["kvc_errors_total"] == before + 1
+
+
+def test_missing_token_is_401(client: TestClient) -> None:
+    r = client.get("/v1/namespaces/a/stats")
+    assert r.status_code == 401
+    assert r.headers["www-authenticate"] == "Bearer"
+    assert client.get("/v1/namespaces/a/stats", headers=auth("wrong")).status_code == 401
+
+
+def test_another_namespace_or_unknown_namespace_looks_like_nothing_there(
+    client: TestClient,
+) -> None:
+    client.post("/v1/namespaces/a/chunks", json=publish_body(), headers=auth())
+    real_miss = client.get("/v1/namespaces/a/refs/no-such-ref", headers=auth())
+    other = client.get("/v1/namespaces/b/refs/no-such-ref", headers=auth())
+    unknown = client.get("/v1/namespaces/zzz/refs/no-such-ref", headers=auth())
+    other_lookup = client.post("/v1/namespaces/b/lookup", json=lookup_body(), headers=auth())
+    assert real_miss.status_code == other.status_code == unknown.status_code == 404
+    assert other_lookup.status_code == 404
+    assert real_miss.json() == other.json() == unknown.json() == other_lookup.json()
+    # B's token sees none of A's data.
+    r = client.post(
+        "/v1/namespaces/a/lookup", json=lookup_body([*TOKENS, 7]), headers=auth(TOKEN_B)
+    )
+    assert r.status_code == 404 and r.json() == real_miss.json()
+
+
+def test_replicas_of_another_namespace_cannot_be_marked(client: TestClient) -> None:
+    body = publish_body()
+    client.post("/v1/namespaces/a/chunks", json=body, headers=auth())
+    key = body["records"][0]["blob_key"]
+    mark = {"blob_key": key, "location": "file:///store", "state": "corrupt", "reason": "x"}
+    r = client.post("/v1/namespaces/b/replicas/mark", json=mark, headers=auth(TOKEN_B))
+    assert r.status_code == 404
+    r = client.post("/v1/namespaces/a/replicas/mark", json=mark, headers=auth())
+    assert r.status_code == 200 and r.json() == {"changed": True}
+    hit = client.post("/v1/namespaces/a/lookup", json=lookup_body([*TOKENS, 7]), headers=auth())
+    assert hit.status_code == 204  # the corrupt first chunk breaks the chain
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"fingerprint": FP.hex}, "tokens"),
+        ({"fingerprint": FP.hex, "tokens": [1, -2, 3]}, "tokens"),
+        ({"fingerprint": "not-hex", "tokens": [1, 2]}, "fingerprint"),
+        ({"fingerprint": FP.hex.upper(), "tokens": [1, 2]}, "fingerprint"),
+        ({"fingerprint": FP.hex, "tokens": [1, 2], "max_tokens": -1}, "max_tokens"),
+    ],
+)
+def test_bad_bodies_are_422_naming_the_field(
+    client: TestClient, body: dict[str, Any], field: str
+) -> None:
+    r = client.post("/v1/namespaces/a/lookup", json=body, headers=auth())
+    assert r.status_code == 422
+    assert any(field in e["loc"] for e in r.json()["detail"])
+
+
+def test_inconsistent_publish_is_422_with_the_catalog_message(client: TestClient) -> None:
+    body = publish_body()
+    body["records"] = body["records"][1:]  # parent not catalogued
+    r = client.post("/v1/namespaces/a/chunks", json=body, headers=auth())
+    assert r.status_code == 422
+    assert r.json()["error"] == "PublishError"
+    assert "parent" in r.json()["detail"]
+
+
+def test_prompt_over_the_limit_is_refused(client: TestClient) -> None:
+    r = client.post(
+        "/v1/namespaces/a/lookup", json=lookup_body(list(range(MAX_PROMPT + 1))), headers=auth()
+    )
+    assert r.status_code == 413
+    assert f"limit of {MAX_PROMPT} tokens" in r.json()["detail"]
+
+
+def test_refs_create_get_cas_conflict_fork_delete(client: TestClient, cat: Catalog) -> None:
+    recs = publish(cat, "a", TOKENS)
+    h1, h2 = recs[0].prefix_hash.hex(), recs[1].prefix_hash.hex()
+    base = "/v1/namespaces/a/refs"
+    r = client.put(f"{base}/chat/1", json={"fingerprint": FP.hex, "head_hash": h1}, headers=auth())
+    assert r.status_code == 201 and r.json()["processed"] == 4
+    assert client.get(f"{base}/chat/1", headers=auth()).json()["head_hash"] == h1
+    dup = client.put(
+        f"{base}/chat/1", json={"fingerprint": FP.hex, "head_hash": h1}, headers=auth()
+    )
+    assert dup.status_code == 409
+
+    r = client.post(
+        f"{base}/chat/1/cas", json={"expected_head": h1, "new_head": h2}, headers=auth()
+    )
+    assert r.status_code == 200 and r.json()["processed"] == 8
+    stale = client.post(
+        f"{base}/chat/1/cas", json={"expected_head": h1, "new_head": h2}, headers=auth()
+    )
+    assert stale.status_code == 409 and "moved" in stale.json()["detail"]
+
+    fork = client.post(f"{base}/chat/1/fork", json={"name": "side"}, headers=auth())
+    assert fork.status_code == 201 and fork.json()["forked_from"] == "chat/1"
+    names = [x["name"] for x in client.get(base, headers=auth()).json()["refs"]]
+    assert names == ["chat/1", "side"]
+    assert client.delete(f"{base}/side", headers=auth()).status_code == 204
+    assert client.get(f"{base}/side", headers=auth()).status_code == 404
+    assert cat.get_ref("a", "chat/1").head_hash.hex() == h2
+
+
+def test_lineage_quarantine_and_stats(client: TestClient, cat: Catalog) -> None:
+    recs = publish(cat, "a", TOKENS)
+    tail = recs[-1].prefix_hash.hex()
+    r = client.get(f"/v1/namespaces/a/prefixes/{tail}/lineage", headers=auth())
+    assert r.status_code == 200
+    assert [p["token_start"] for p in r.json()["prefixes"]] == [0, 4, 8]
+
+    stats = client.get("/v1/namespaces/a/stats", headers=auth()).json()
+    assert stats["chunks"] == 3 and stats["namespace"] == "a"
+
+    mid = recs[1].prefix_hash.hex()
+    r = client.post(
+        "/v1/namespaces/a/quarantine", json={"prefix_hash": mid, "reason": "bad"}, headers=auth()
+    )
+    assert r.status_code == 200
+    directives = r.json()["directives"]
+    assert {d["prefix_hash"] for d in directives} == {mid, tail}
+    hit = client.post("/v1/namespaces/a/lookup", json=lookup_body([*TOKENS, 7]), headers=auth())
+    assert hit.json()["matched_tokens"] == 4
+    blank = client.post(
+        "/v1/namespaces/a/quarantine", json={"prefix_hash": mid, "reason": "  "}, headers=auth()
+    )
+    assert blank.status_code == 422
+
+
+def test_namespace_endpoint_creates_and_reports_chunk_size(client: TestClient) -> None:
+    r = client.get("/v1/namespaces/empty/namespace", headers=auth("e"))
+    assert r.json() == {"chunk_size": None}
+    r = client.post("/v1/namespaces/empty/namespace", json={"chunk_size": 8}, headers=auth("e"))
+    assert r.json() == {"chunk_size": 8}
+    r = client.post("/v1/namespaces/empty/namespace", json={"chunk_size": 16}, headers=auth("e"))
+    assert r.json() == {"chunk_size": 8}  # fixed at creation
+
+
+def test_openapi_is_served(client: TestClient) -> None:
+    doc = client.get("/openapi.json").json()
+    assert "/v1/namespaces/{namespace}/lookup" in doc["paths"]
+
+
+def test_token_never_logged(client: TestClient, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    client.post("/v1/namespaces/a/chunks", json=publish_body(), headers=auth())
+    client.post("/v1/namespaces/a/lookup", json=lookup_body(), headers=auth())
+    client.get("/v1/namespaces/b/stats", headers=auth())
+    client.get("/v1/namespaces/a/stats", headers=auth("not-" + TOKEN_A))
+    client.post("/v1/namespaces/a/lookup", json={"tokens": "x"}, headers=auth())
+    assert caplog.records  # something was logged at DEBUG, and
+    assert TOKEN_A not in caplog.text and hash_token(TOKEN_A) not in caplog.text
+
+
+def test_remote_catalog_maps_errors_back(client: TestClient, cat: Catalog) -> None:
+    from catalog.errors import NotFoundError, PublishError, RefConflictError
+
+    recs = publish(cat, "a", TOKENS)
+    remote = RemoteCatalog("http://testserver", TOKEN_A, namespace="a", transport=client._transport)
+    with remote:
+        with pytest.raises(NotFoundError):
+            remote.get_ref("a", "nope")
+        with pytest.raises(NotFoundError):
+            remote.get_ref("b", "nope")
+        remote.create_ref("a", "r.../x", FP, recs[0].prefix_hash)
+        assert remote.get_ref("a", "r.../x").processed == 4
+        with pytest.raises(RefConflictError):
+            remote.update_ref(
+                "a", "r.../x", expected_head=recs[1].prefix_hash, new_head=recs[2].prefix_hash
+            )
+        with pytest.raises(PublishError):
+            remote.record_chunks(chain_records("a", [*TOKENS, 1, 2, 3], start_chunk=3))
+        assert remote.get_fingerprint(FP.hex) == FP
+        m = remote.lookup("a", FP, [*TOKENS, 7])
+        assert m == cat.lookup("a", FP, [*TOKENS, 7])
+        assert remote.lookup("a", FP, [9, 9, 9]).hit is False
+        assert remote.stats("a")["chunks"] == 3
