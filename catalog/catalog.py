@@ -594,6 +594,22 @@ class Catalog:
 
         return self._retrying(run)
 
+    def touch_verified(self, location: str, blob_keys: Sequence[str]) -> int:
+        """Record that these replicas' bytes were just read back and verified (fsck --read-data)."""
+        if not blob_keys:
+            return 0
+
+        def run() -> int:
+            with self._write() as conn:
+                res = conn.execute(
+                    sa.update(Replica)
+                    .where(Replica.location == location, Replica.blob_key.in_(sorted(blob_keys)))
+                    .values(last_verified_at=utcnow())
+                )
+                return int(res.rowcount)
+
+        return self._retrying(run)
+
     def replicas_at(self, location: str) -> list[str]:
         """Blob keys with a replica at `location` (a store name, or `worker:<id>`)."""
         with self.engine.connect() as conn:

@@ -9,12 +9,12 @@ import click
 from kvc import __version__
 
 # Subcommand modules, each with `register(cli)`.
-COMMAND_MODULES = ("db", "demo", "serve", "daemon")
+COMMAND_MODULES = ("db", "demo", "inspect", "maintenance", "serve", "daemon")
 
 
 @click.group(
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
-    epilog="Example: kvc demo   (then: kvc log demo/chat-0, kvc stats)",
+    epilog="Example: kvc demo   (then: kvc log demo/chat-0 --namespace demo)",
 )
 @click.version_option(__version__, "-V", "--version", prog_name="kvc")
 def cli() -> None:

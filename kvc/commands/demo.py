@@ -12,7 +12,7 @@ from kvc.settings import Settings
 
 @click.command(
     "demo",
-    epilog="Example: kvc demo            (then: kvc log demo/chat-1, kvc stats --namespace demo)",
+    epilog="Example: kvc demo      (then: kvc log demo/chat-1 --namespace demo)",
 )
 @settings_options
 @click.option(

@@ -716,7 +716,10 @@ def stores(settings: Settings, as_json: bool) -> None:
 
     from catalog.schema import Replica, Store
 
-    configured = [s.name for s in open_stores(settings)]
+    configured = []
+    for store in open_stores(settings):
+        configured.append(store.name)
+        store.close()
     with open_catalog(settings) as cat, reporting(), cat.engine.connect() as conn:
         known = {r.name: r for r in conn.execute(sa.select(Store)).all()}
         counts = conn.execute(

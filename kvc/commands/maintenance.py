@@ -101,6 +101,7 @@ def fsck(settings: Settings, as_json: bool, read_data: bool, subset_text: str | 
     corrupt: list[dict[str, Any]] = []
     unreachable: list[dict[str, Any]] = []
     revived: list[dict[str, Any]] = []
+    verified: dict[str, list[str]] = {}
     checked = ok = 0
     down: dict[str, str] = {}  # store -> first error; its remaining replicas are not checked
     with open_catalog(settings) as cat, reporting():
@@ -165,11 +166,15 @@ def fsck(settings: Settings, as_json: bool, read_data: bool, subset_text: str | 
                     checked -= 1
                     continue
                 ok += 1
+                if read_data:
+                    verified.setdefault(loc, []).append(key)
                 # Bytes that are back (or verified in full) make a broken replica usable again;
                 # stat alone cannot clear a `corrupt` mark.
                 if state == "missing" or (state == "corrupt" and read_data):
                     cat.mark_replica(key, loc, "durable", reason="fsck: verified", actor=actor)
                     revived.append({**item, "state": "durable"})
+        for loc, keys in verified.items():
+            cat.touch_verified(loc, keys)
     for s in stores.values():
         s.close()
     skipped = sum(1 for _, loc, _, _ in rows if loc in down) - len(unreachable)
