@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import math
 import re
 import threading
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
@@ -18,7 +19,8 @@ from typing import Annotated, Any, Literal
 import numpy as np
 import sqlalchemy as sa
 from fastapi import Depends, FastAPI, Request, Response
-from fastapi.exceptions import HTTPException
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import HTTPException, RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StringConstraints
@@ -550,6 +552,17 @@ def _not_found() -> HTTPException:
     return HTTPException(status_code=404, detail=NOT_FOUND["detail"])
 
 
+def _finite(value: Any) -> Any:
+    """`value` (JSON-able) with NaN and +-Inf as strings: JSON responses cannot carry them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _bytes(hex_: str) -> bytes:
     return bytes.fromhex(hex_)
 
@@ -625,6 +638,11 @@ def create_app(catalog: Catalog, tokens: Mapping[str, str], *, max_prompt_tokens
             ).first()
         if found is None:
             raise _not_found()
+
+    @app.exception_handler(RequestValidationError)
+    def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # As FastAPI's own handler, but a NaN or Infinity in the request can be echoed.
+        return JSONResponse({"detail": _finite(jsonable_encoder(exc.errors()))}, status_code=422)
 
     @app.exception_handler(NotFoundError)
     def on_not_found(request: Request, exc: Exception) -> JSONResponse:
