@@ -19,7 +19,7 @@ from catalog.catalog import Catalog
 from catalog.identity import token_array
 from catalog.models import ChunkMatch, Match, ReplicaInfo, Shard
 from chunkstore import ChunkStore
-from chunkstore.errors import ChunkStoreError
+from chunkstore.errors import ChunkIntegrityError, ChunkStoreError
 from chunkstore.record import DecodedChunk, decode_chunk
 from restore.errors import RestoreError
 
@@ -240,9 +240,7 @@ class Restorer:
         for replica, store in candidates:
             t = time.perf_counter()
             try:
-                data = store.get(c.blob_key)
-                decoded = decode_chunk(data, expected_key=c.blob_key)
-                self._check_header(decoded, c, tok, fp_hex, shard)
+                decoded = self._read_verified(store, c, tok, fp_hex, shard)
             except FileNotFoundError as exc:
                 self._mark(c, replica, "missing", str(exc), report)
                 continue
@@ -259,6 +257,22 @@ class Restorer:
             self._note_rate(replica.tier, c.stored_bytes, seconds)
             return decoded, replica.location, seconds
         raise _ChunkFailed(c.blob_key)
+
+    def _read_verified(
+        self, store: ChunkStore, c: ChunkMatch, tok: np.ndarray[Any, Any], fp_hex: str, shard: Shard
+    ) -> DecodedChunk:
+        """Read and verify one replica; a digest mismatch is read once more before it counts.
+
+        Bits flipped in transit (a bad NIC, a proxy) fail once; bits flipped at
+        rest fail every time. Only the second kind marks the replica corrupt.
+        """
+        try:
+            decoded = decode_chunk(store.get(c.blob_key), expected_key=c.blob_key)
+        except ChunkIntegrityError:
+            log.warning("blob %s from %s failed verification; reading it again", c.blob_key, store.name)
+            decoded = decode_chunk(store.get(c.blob_key), expected_key=c.blob_key)
+        self._check_header(decoded, c, tok, fp_hex, shard)
+        return decoded
 
     def _mark(self, c: ChunkMatch, replica: ReplicaInfo, state: str, why: str, report: RestoreReport) -> None:
         report.failures.append(f"{c.blob_key[:16]} at {replica.location}: {state}: {why[:200]}")

@@ -1,0 +1,213 @@
+"""Faults on the restore path: flipped bits, truncation, unreachable stores, a full disk.
+
+Restore re-reads a blob that fails verification once (bits flipped in transit),
+marks a replica corrupt only when it fails twice (bits flipped at rest), then
+uses another replica, then stops at the longest verified prefix; nothing
+unverified ever reaches a page. A local write that fails leaves nothing
+catalogued.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from catalog import Catalog
+from chunkstore import ChunkStore, Receipt, open_store
+from chunkstore.base import BlobStat
+from chunkstore.errors import StoreUnavailableError
+from restore.checkpoint import Checkpointer, to_replica_receipt
+from restore.engines.reference import ReferenceModel
+from restore.pool import PagePool
+from restore.restore import Restorer
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ReferenceModel.small(seed=0)
+TOKENS = np.random.default_rng(4).integers(0, MODEL.vocab_size, 100).tolist()
+
+
+class Faulty(ChunkStore):
+    """Wraps a store and damages what `get` returns, per key and per mode."""
+
+    def __init__(self, inner: ChunkStore) -> None:
+        self.inner = inner
+        self.modes: dict[str, str] = {}
+        self.reads: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    def put(self, key: str, data: Any) -> Receipt:
+        return self.inner.put(key, data)
+
+    def get(self, key: str) -> Any:
+        with self._lock:
+            n = self.reads[key] = self.reads.get(key, 0) + 1
+        mode = self.modes.get(key)
+        data = bytes(self.inner.get(key))
+        if mode == "unavailable":
+            raise StoreUnavailableError(f"{self.name}: connection reset while reading {key}")
+        if mode == "flip_always" or (mode == "flip_first" and n == 1):
+            b = bytearray(data)
+            b[len(b) // 3] ^= 0x10
+            return bytes(b)
+        if mode == "truncate":
+            return data[: len(data) // 2]
+        return data
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
+    def stat(self, key: str) -> BlobStat:
+        return self.inner.stat(key)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def keys(self) -> Iterator[str]:
+        return self.inner.keys()
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> Iterator[tuple[Catalog, Faulty, Faulty, list[str]]]:
+    cat = Catalog.open(f"sqlite:///{tmp_path / 'c.db'}", upgrade=True)
+    a = Faulty(open_store(f"file://{tmp_path / 'a'}"))
+    b = Faulty(open_store(f"file://{tmp_path / 'b'}"))
+    pool = PagePool(MODEL.layout, page_size=16, num_pages=64)
+    r = pool.new_route()
+    MODEL.prefill(pool, r, TOKENS)
+    with Checkpointer(cat, a, chunk_size=32, write_behind=None) as cp:
+        cp.checkpoint(pool, r, TOKENS, MODEL.fingerprint)
+    keys = [c.blob_key for c in cat.lookup("default", MODEL.fingerprint, TOKENS).chunks]
+    yield cat, a, b, keys
+    cat.close()
+
+
+def restore(cat: Catalog, stores: list[ChunkStore]) -> tuple[Any, PagePool]:
+    pool = PagePool(MODEL.layout, page_size=16, num_pages=64)
+    with Restorer(cat, stores) as r:
+        return r.restore(pool, TOKENS, MODEL.fingerprint), pool
+
+
+def expected_kv(n: int) -> tuple[np.ndarray, np.ndarray]:
+    pool = PagePool(MODEL.layout, page_size=16, num_pages=64)
+    r = pool.new_route()
+    MODEL.prefill(pool, r, TOKENS)
+    return pool.read(r, 0, n)
+
+
+def assert_exact(res: Any, pool: PagePool) -> None:
+    got = pool.read(res.route)
+    want = expected_kv(res.restored_tokens)
+    assert all(
+        np.array_equal(x.view(np.uint8), y.view(np.uint8)) for x, y in zip(got, want, strict=True)
+    )
+
+
+def states(cat: Catalog, key: str) -> list[str]:
+    with cat.engine.connect() as conn:
+        return list(
+            conn.exec_driver_sql("SELECT state FROM replicas WHERE blob_key = ?", (key,)).scalars()
+        )
+
+
+def test_bits_flipped_on_the_first_read_only_are_read_again(setup: Any) -> None:
+    cat, a, _, keys = setup
+    a.modes[keys[1]] = "flip_first"
+    res, pool = restore(cat, [a])
+    assert res.restored_tokens == 99 and a.reads[keys[1]] == 2
+    assert states(cat, keys[1]) == ["durable"]  # a transient flip does not condemn the replica
+    assert_exact(res, pool)
+
+
+@pytest.mark.parametrize("mode", ["flip_always", "truncate"])
+def test_damage_at_rest_uses_another_replica(setup: Any, mode: str) -> None:
+    cat, a, b, keys = setup
+    for k in keys:  # a second replica of every chunk, in store b
+        cat.record_replica(k, to_replica_receipt(b.put(k, a.inner.get(k)), "local"))
+    a.modes[keys[2]] = mode
+    res, pool = restore(cat, [a, b])
+    assert res.restored_tokens == 99
+    assert res.report.replicas_used.get(b.name) == 1
+    with cat.engine.connect() as conn:
+        st = dict(
+            conn.exec_driver_sql(
+                "SELECT location, state FROM replicas WHERE blob_key = ?", (keys[2],)
+            ).all()
+        )
+    assert st == {a.name: "corrupt", b.name: "durable"}
+    assert_exact(res, pool)
+
+
+def test_no_good_replica_degrades_to_the_verified_prefix(setup: Any) -> None:
+    cat, a, _, keys = setup
+    a.modes[keys[2]] = "flip_always"
+    res, pool = restore(cat, [a])
+    assert res.restored_tokens == 64 and res.recompute_from == 64
+    assert pool.free_pages == 64 - 4
+    assert_exact(res, pool)
+
+
+def test_unreachable_store_marks_nothing_and_degrades(setup: Any) -> None:
+    cat, a, _, keys = setup
+    a.modes[keys[0]] = "unavailable"
+    res, pool = restore(cat, [a])
+    assert res.route is None and pool.free_pages == 64 and pool.routes() == []
+    assert states(cat, keys[0]) == ["durable"]
+
+
+def test_a_failing_local_disk_write_catalogues_nothing(tmp_path: Path) -> None:
+    # RLIMIT_FSIZE makes writes past a small size fail with EFBIG (SIGXFSZ ignored).
+    code = """
+import json, resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+from catalog import Catalog
+from chunkstore import open_store
+from restore.checkpoint import Checkpointer, to_replica_receipt
+from restore.engines.reference import ReferenceModel
+from restore.pool import PagePool
+args = json.loads(sys.argv[1])
+model = ReferenceModel.small(seed=0)
+pool = PagePool(model.layout, page_size=16, num_pages=64)
+r = pool.new_route()
+model.prefill(pool, r, args["tokens"])
+cat = Catalog.open(args["catalog"])
+store = open_store(args["store"])
+cp = Checkpointer(cat, store, chunk_size=32)  # creates the namespace: a catalog write
+cat.stats()
+# From here on no file may grow past 8 KiB; every blob is 16 KiB.
+resource.setrlimit(resource.RLIMIT_FSIZE, (8192, 8192))
+try:
+    cp.checkpoint(pool, r, args["tokens"], model.fingerprint, name="x")
+except Exception as exc:
+    print(type(exc).__name__, exc)
+    sys.exit(3)
+"""
+    url = f"sqlite:///{tmp_path / 'c.db'}"
+    Catalog.open(url, upgrade=True).close()
+    args = {"catalog": url, "store": f"file://{tmp_path / 'blobs'}", "tokens": TOKENS}
+    out = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert out.returncode == 3, out.stdout + out.stderr
+    assert "StoreWriteError" in out.stdout
+    cat = Catalog.open(url)
+    assert cat.stats()["chunks"] == 0 and cat.list_refs("default") == []
+    cat.close()
+    assert list(open_store(f"file://{tmp_path / 'blobs'}").keys()) == []
