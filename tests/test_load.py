@@ -1,0 +1,19 @@
+"""A short version of the service load run (bench/load_service.py runs the long one by hand)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from load_service import run_load  # noqa: E402
+
+
+def test_service_under_concurrent_clients(tmp_path: Path) -> None:
+    res = run_load(f"sqlite:///{tmp_path / 'catalog.db'}", clients=20, seconds=5, workdir=tmp_path)
+    summary = res.summary()
+    assert res.errors == []
+    assert summary["lookup"]["count"] > 50 and summary["publish"]["count"] > 0
+    # Memory stays flat: no more than 64 MiB growth over the run.
+    assert res.rss_end_kb - res.rss_start_kb < 64 * 1024, summary
