@@ -33,11 +33,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import httpx  # noqa: E402
+import httpx
 
-from catalog import Catalog  # noqa: E402
-from kvc.remote import RemoteCatalog  # noqa: E402
-from tests.catalog_helpers import CS, FP, chain_records  # noqa: E402
+from catalog import Catalog
+from kvc.remote import RemoteCatalog
+from tests.catalog_helpers import CS, FP, chain_records
 
 TOKEN = "load-test-token"
 SYSTEM = list(range(1000, 1000 + 8 * CS))  # a shared 8-chunk system prompt

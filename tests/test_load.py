@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from load_service import run_load  # noqa: E402
+from load_service import run_load
 
 
 def test_service_under_concurrent_clients(tmp_path: Path) -> None:
