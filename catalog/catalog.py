@@ -17,7 +17,13 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from catalog import database
-from catalog.errors import CatalogError, NotFoundError, PublishError, RefConflictError
+from catalog.errors import (
+    CatalogError,
+    IdentityError,
+    NotFoundError,
+    PublishError,
+    RefConflictError,
+)
 from catalog.identity import (
     Fingerprint,
     chain_hash,
@@ -1238,6 +1244,7 @@ class Catalog:
     # -- lineage and quarantine ------------------------------------------------
 
     def get_prefix(self, namespace: str, prefix_hash: bytes) -> PrefixInfo:
+        _check_prefix_hash(prefix_hash)
         with self.engine.connect() as conn:
             ns = self._namespace(conn, namespace)
             row = (
@@ -1257,6 +1264,7 @@ class Catalog:
 
     def lineage(self, namespace: str, prefix_hash: bytes) -> list[PrefixInfo]:
         """The chain from the root to `prefix_hash`, root first (one recursive query)."""
+        _check_prefix_hash(prefix_hash)
         with self.engine.connect() as conn:
             ns = self._namespace(conn, namespace)
             if ns is None:
@@ -1296,6 +1304,7 @@ class Catalog:
 
     def descendants(self, namespace: str, prefix_hash: bytes) -> list[PrefixInfo]:
         """Every node below `prefix_hash` (not itself), in token order."""
+        _check_prefix_hash(prefix_hash)
         with self.engine.connect() as conn:
             ns = self._namespace(conn, namespace)
             if ns is None:
@@ -1313,6 +1322,7 @@ class Catalog:
         self, namespace: str, prefix_hash: bytes, reason: str, *, actor: str | None = None
     ) -> list[InvalidationDirective]:
         """Make a node and all its descendants unrestorable at once; return one directive per replica."""
+        _check_prefix_hash(prefix_hash)
         if not reason or not reason.strip():
             raise CatalogError("a quarantine needs a reason")
 
@@ -1427,6 +1437,12 @@ class Catalog:
 def _ident(r: ChunkRecord) -> tuple[Any, ...]:
     s = r.shard
     return (r.fingerprint.hex, r.prefix_hash, s.layer_lo, s.layer_hi, s.head_lo, s.head_hi)
+
+
+def _check_prefix_hash(prefix_hash: Any) -> bytes:
+    if not isinstance(prefix_hash, bytes) or len(prefix_hash) != 32:
+        raise IdentityError(f"prefix hash must be 32 bytes, got {prefix_hash!r:.80}")
+    return prefix_hash
 
 
 def _check_ref_name(name: str) -> None:

@@ -28,8 +28,8 @@ class Shard:
     def __post_init__(self) -> None:
         for name in ("layer_lo", "layer_hi", "head_lo", "head_hi"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise CatalogError(f"Shard.{name} must be a non-negative int, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**31:
+                raise CatalogError(f"Shard.{name} must be an int in [0, 2**31), got {v!r}")
         if self.layer_hi <= self.layer_lo or self.head_hi <= self.head_lo:
             raise CatalogError(f"empty shard {self}: ranges are [lo, hi) with hi > lo")
 

@@ -27,7 +27,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 HEAD_TOKENS = 32
 
 # Bumped with every migration; a database whose alembic revision differs is refused.
-SCHEMA_REVISION = "0001"
+SCHEMA_REVISION = "0002"
 
 NAMING = {
     "ix": "ix_%(column_0_label)s",
@@ -247,3 +247,13 @@ class Event(Base):
         Index("ix_events_kind", "kind"),
         Index("ix_events_subject", "subject"),
     )
+
+
+class Lock(Base):
+    """A named lease (e.g. "gc": one collector at a time); an expired one may be taken over."""
+
+    __tablename__ = "locks"
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    holder: Mapped[str] = mapped_column(String(255))
+    acquired_at: Mapped[datetime]
+    expires_at: Mapped[datetime]

@@ -58,6 +58,7 @@ __all__ = [
     "ChunkHeader",
     "DecodedChunk",
     "EncodedChunk",
+    "check_finite",
     "decode_chunk",
     "encode_chunk",
     "read_header",
@@ -396,7 +397,7 @@ _NONFINITE: dict[str, tuple[type[np.unsignedinteger], int, int]] = {
 _FINITE_BLOCK = 1 << 16
 
 
-def _check_finite(arr: np.ndarray, dtype: str) -> None:
+def check_finite(arr: np.ndarray, dtype: str) -> None:
     """Refuse NaN and Inf, by exponent bits (one rule for all three dtypes).
 
     Blocked through a cache-sized scratch buffer: ~1.3 ms for 14.7 MB of fp16,
@@ -461,7 +462,7 @@ def encode_chunk(
         payload_size=math.prod(arr.shape) * arr.dtype.itemsize,
     )
     _check_header(header, ValueError)
-    _check_finite(arr, dtype_name)
+    check_finite(arr, dtype_name)
 
     payload_blake3 = _blake3_hex(arr.data)
     payload = CODECS[codec].encode(arr)

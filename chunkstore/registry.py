@@ -149,6 +149,8 @@ def _open_file(parts: urllib.parse.SplitResult, overrides: Mapping[str, object])
             f"file: store URL names a host ({parts.netloc!r}); use file:///absolute/path"
         )
     path = urllib.parse.unquote(parts.path)
+    if "\x00" in path:
+        raise StoreURLError("file: store URL path contains a NUL byte")
     if not path.startswith("/"):
         raise StoreURLError(f"file: store URL needs an absolute path, got {path!r}")
     options = _options("file", _FILE_OPTIONS, parts.query, overrides)

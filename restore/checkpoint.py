@@ -22,7 +22,7 @@ from catalog.models import ChunkRecord, ReplicaReceipt, Shard
 from chunkstore import ChunkStore, Receipt
 from chunkstore.codecs import DEFAULT_CODEC
 from chunkstore.errors import ChunkStoreError
-from chunkstore.record import encode_chunk
+from chunkstore.record import check_finite, encode_chunk
 from restore.errors import CheckpointBusyError, RestoreError
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,11 @@ class Checkpointer:
         return result
 
     def _check(
-        self, pool: Any, route: int, tokens: Sequence[int] | np.ndarray[Any, Any], fingerprint: Fingerprint
+        self,
+        pool: Any,
+        route: int,
+        tokens: Sequence[int] | np.ndarray[Any, Any],
+        fingerprint: Fingerprint,
     ) -> tuple[np.ndarray[Any, Any], Shard]:
         if self._closed:
             raise RestoreError("this Checkpointer is closed")
@@ -151,7 +155,12 @@ class Checkpointer:
         shard = self.shard or Shard.full(full)
         shard.check_within(full)
         pl = pool.layout
-        want = (shard.layer_hi - shard.layer_lo, shard.head_hi - shard.head_lo, full.head_dim, full.dtype)
+        want = (
+            shard.layer_hi - shard.layer_lo,
+            shard.head_hi - shard.head_lo,
+            full.head_dim,
+            full.dtype,
+        )
         got = (pl.num_layers, pl.num_kv_heads, pl.head_dim, pl.dtype)
         if want != got:
             raise RestoreError(
@@ -180,56 +189,62 @@ class Checkpointer:
         known = self.catalog.known_blob_keys(self.namespace, fp, hashes, shard)
         seconds["plan"] = time.perf_counter() - t0
         records: list[ChunkRecord] = []
-        new_keys: list[str] = []
         stored = 0
-        parent = chain_root(self.namespace)
         tier = store_tier(self.store)
-        for i, h in enumerate(hashes):
+        new = [(i, h) for i, h in enumerate(hashes) if h not in known]
+        # Refuse NaN/Inf (pool memory gone bad) before storing anything: one cheap
+        # scan of the new chunks first, so a refused checkpoint leaves no bytes.
+        t = time.perf_counter()
+        for i, _h in new:
+            k, v = lease.read(i * cs, min(len(tok), (i + 1) * cs))
+            check_finite(k, fp.layout.dtype)
+            check_finite(v, fp.layout.dtype)
+        seconds["scan"] = time.perf_counter() - t
+        parents = [chain_root(self.namespace), *hashes[:-1]]
+        for i, h in new:
             start, end = i * cs, min(len(tok), (i + 1) * cs)
-            if h not in known:
-                t = time.perf_counter()
-                k, v = lease.read(start, end)
-                kv = np.stack([k, v], axis=1)  # [L, 2, T, H, D]: the record's payload layout
-                seconds["capture"] += time.perf_counter() - t
-                t = time.perf_counter()
-                enc = encode_chunk(
-                    fingerprint=fp.hex,
+            parent = parents[i]
+            t = time.perf_counter()
+            k, v = lease.read(start, end)
+            kv = np.stack([k, v], axis=1)  # [L, 2, T, H, D]: the record's payload layout
+            seconds["capture"] += time.perf_counter() - t
+            t = time.perf_counter()
+            enc = encode_chunk(
+                fingerprint=fp.hex,
+                namespace=self.namespace,
+                prefix_hash=h,
+                parent_hash=parent,
+                token_start=start,
+                tokens=tok[start:end].tolist(),
+                kv=kv,
+                layers=(shard.layer_lo, shard.layer_hi),
+                kv_heads=(shard.head_lo, shard.head_hi),
+                dtype=fp.layout.dtype,
+                codec=self.codec,
+            )
+            seconds["encode"] += time.perf_counter() - t
+            t = time.perf_counter()
+            receipt = self.store.put(enc.key, enc.data)
+            seconds["store"] += time.perf_counter() - t
+            stored += len(enc.data)
+            records.append(
+                ChunkRecord(
                     namespace=self.namespace,
+                    fingerprint=fp,
                     prefix_hash=h,
                     parent_hash=parent,
                     token_start=start,
                     tokens=tok[start:end].tolist(),
-                    kv=kv,
-                    layers=(shard.layer_lo, shard.layer_hi),
-                    kv_heads=(shard.head_lo, shard.head_hi),
-                    dtype=fp.layout.dtype,
-                    codec=self.codec,
+                    shard=shard,
+                    blob_key=enc.key,
+                    codec=enc.header.codec,
+                    stored_bytes=len(enc.data),
+                    kv_bytes=int(kv.nbytes),
+                    receipts=[to_replica_receipt(receipt, tier)],
                 )
-                seconds["encode"] += time.perf_counter() - t
-                t = time.perf_counter()
-                receipt = self.store.put(enc.key, enc.data)
-                seconds["store"] += time.perf_counter() - t
-                stored += len(enc.data)
-                new_keys.append(enc.key)
-                records.append(
-                    ChunkRecord(
-                        namespace=self.namespace,
-                        fingerprint=fp,
-                        prefix_hash=h,
-                        parent_hash=parent,
-                        token_start=start,
-                        tokens=tok[start:end].tolist(),
-                        shard=shard,
-                        blob_key=enc.key,
-                        codec=enc.header.codec,
-                        stored_bytes=len(enc.data),
-                        kv_bytes=int(kv.nbytes),
-                        receipts=[to_replica_receipt(receipt, tier)],
-                    )
-                )
-                if self.write_behind is not None:
-                    self._upload_later(enc.key, enc.data)
-            parent = h
+            )
+            if self.write_behind is not None:
+                self._upload_later(enc.key, enc.data)
         t = time.perf_counter()
         if records:
             self.catalog.record_chunks(records, actor=self.actor)
@@ -252,11 +267,17 @@ class Checkpointer:
         try:
             current = self.catalog.get_ref(self.namespace, name)
         except NotFoundError:
-            self.catalog.create_ref(self.namespace, name, fp, head, pending_token=pending, actor=self.actor)
+            self.catalog.create_ref(
+                self.namespace, name, fp, head, pending_token=pending, actor=self.actor
+            )
             return
         self.catalog.update_ref(
-            self.namespace, name, expected_head=current.head_hash, new_head=head,
-            pending_token=pending, actor=self.actor,
+            self.namespace,
+            name,
+            expected_head=current.head_hash,
+            new_head=head,
+            pending_token=pending,
+            actor=self.actor,
         )
 
     # -- write-behind ------------------------------------------------------------
@@ -275,7 +296,10 @@ class Checkpointer:
                 self.dropped["write_behind_failed"] += 1
                 return
             self.catalog.record_replica(
-                key, to_replica_receipt(receipt, store_tier(target)), namespace=self.namespace, actor=self.actor
+                key,
+                to_replica_receipt(receipt, store_tier(target)),
+                namespace=self.namespace,
+                actor=self.actor,
             )
 
         with self._lock:
@@ -320,7 +344,9 @@ class Checkpointer:
             self._queued += 1
             self._staged += nbytes
             if self._worker is None:
-                self._worker = threading.Thread(target=self._run, name="kvc-checkpoint", daemon=True)
+                self._worker = threading.Thread(
+                    target=self._run, name="kvc-checkpoint", daemon=True
+                )
                 self._worker.start()
         cm = pool.lease(route)
         lease = cm.__enter__()
@@ -335,7 +361,9 @@ class Checkpointer:
                 return
             try:
                 shard = self.shard or Shard.full(job.fingerprint.layout)
-                result = self._publish(job.lease, job.tokens, job.fingerprint, shard, job.name, job.pending)
+                result = self._publish(
+                    job.lease, job.tokens, job.fingerprint, shard, job.name, job.pending
+                )
                 job.future.set_result(result)
             except BaseException as exc:  # reported through the future, never lost
                 job.future.set_exception(exc)

@@ -1,7 +1,8 @@
-"""`kvc fsck` and `kvc gc`: checking that catalogued bytes exist, and reclaiming orphan blobs."""
+"""`kvc fsck` and `kvc gc`: checking that catalogued bytes exist, purging chunks and orphan blobs."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from datetime import UTC, datetime
 from typing import Any
@@ -230,7 +231,62 @@ def _still_catalogued(cat: Any, location: str, keys: list[str]) -> set[str]:
     return out
 
 
-@click.command("gc", epilog="Example: kvc gc --dry-run   (then: kvc gc --grace 86400)")
+_LOCK_TTL_S = 6 * 3600.0  # longer than any GC run; a crashed run's lock expires after it
+
+
+def _retention(
+    cat: Any,
+    settings: Settings,
+    stores: list[Any],
+    *,
+    as_json: bool,
+    max_age: float | None,
+    max_bytes: int | None,
+    dry_run: bool,
+    now: datetime,
+) -> tuple[dict[str, Any], list[str]]:
+    """Plan (and unless --dry-run apply) the catalog-side purge of the settings' namespace."""
+    from catalog.gc import apply_gc, plan_gc
+    from chunkstore.errors import BlobNotFoundError
+
+    if cat.namespace_chunk_size(settings.namespace) is None:
+        return {"namespace": settings.namespace, "items": []}, []
+    plan = plan_gc(cat, settings.namespace, max_age_s=max_age, max_bytes=max_bytes, now=now)
+    doc = plan.to_json()
+    verb = "would purge" if dry_run else "purged"
+    lines = [
+        f"{verb} chunk {i.prefix_hash.hex()[:16]} {i.blob_key[:16]} ({i.reason})"
+        for i in plan.items
+    ]
+    lines += [
+        f"kept quarantined {h.hex()[:16]}: a ref or demand needs it" for h in plan.kept_quarantined
+    ]
+    if not dry_run and plan.items:
+        by_name = {s.name: s for s in stores}
+
+        def delete_blob(location: str, key: str) -> bool:
+            store = by_name.get(location)
+            if store is None:
+                return False  # another store or a worker's pool: not ours to reach
+            with contextlib.suppress(BlobNotFoundError):  # already gone is what we wanted
+                store.delete(key)
+            return True
+
+        with _progress(as_json, None, "gc purge") as bar:
+            result = apply_gc(cat, plan, delete_blob, actor="kvc gc", progress=bar.update)
+        doc["result"] = result.to_json()
+        lines += [f"kept bytes {k} at {loc}: {why}" for loc, k, why in result.blobs_kept]
+    lines.append(
+        f"{verb} {len(plan.items)} chunk(s) of namespace {settings.namespace}, "
+        f"{human_bytes(plan.purged_bytes)}; {human_bytes(plan.bytes_after)} remain"
+    )
+    return doc, lines
+
+
+@click.command(
+    "gc",
+    epilog="Example: kvc gc --dry-run --max-age 604800   (then without --dry-run)",
+)
 @settings_options
 @click.option(
     "--grace",
@@ -241,26 +297,56 @@ def _still_catalogued(cat: Any, location: str, keys: list[str]) -> set[str]:
     help="Only blobs not modified for this long are orphans (a publish in flight is younger); "
     "keep it above the stores' refresh_after_s (900 s by default).",
 )
+@click.option(
+    "--max-age",
+    type=click.FloatRange(min=0),
+    default=None,
+    metavar="SECONDS",
+    help="Purge leaf chunks of the namespace not used for this long (roots are kept).",
+)
+@click.option(
+    "--max-bytes",
+    type=click.IntRange(min=0),
+    default=None,
+    metavar="N",
+    help="Purge the least used leaf chunks while the namespace stores more than N bytes.",
+)
 @click.option("--dry-run", is_flag=True, help="List what would be deleted; delete nothing.")
 @click.option(
     "--force",
     is_flag=True,
     help="Run even though the catalog records missing replicas in a configured store.",
 )
-def gc(settings: Settings, as_json: bool, grace: float, dry_run: bool, force: bool) -> None:
-    """Delete orphan blobs: bytes in a configured store that no catalog replica names.
+def gc(
+    settings: Settings,
+    as_json: bool,
+    grace: float,
+    max_age: float | None,
+    max_bytes: int | None,
+    dry_run: bool,
+    force: bool,
+) -> None:
+    """Purge unneeded chunks of the namespace, then delete orphan blobs.
 
-    A blob is an orphan when no replica row names it at that store and it has
-    not been modified for --grace seconds (a crashed publish leaves such bytes;
+    Catalog side: chunks under a quarantined prefix, and with --max-age/--max-bytes
+    the least valuable leaf chunks, are purged (bytes, replicas and rows). Refs and
+    live demand are roots: they and their ancestors are never purged, and a chunk
+    with kept descendants goes only with its whole subtree.
+
+    Store side: a blob is an orphan when no replica row names it at that store and
+    it has not been modified for --grace seconds (a crashed publish leaves such bytes;
     a publish that reuses a blob refreshes its time, so GC never deletes what a
-    concurrent publish relies on). Refuses to run while the catalog records
-    `missing` replicas in a configured store (a sign the catalog and the store
-    disagree; see `kvc fsck`) unless --force.
+    concurrent publish relies on).
 
-    This first version reclaims orphans only: retention of chunks and refs by
-    age and bytes per namespace comes in a later version."""
+    One GC runs at a time (a lock in the catalog; a crashed run's lock expires).
+    Refuses to run while the catalog records `missing` replicas in a configured
+    store (see `kvc fsck`) unless --force."""
+    import os
+    import socket
+
     import sqlalchemy as sa
 
+    from catalog.gc import GC_LOCK, acquire_lock, lock_holder, release_lock
     from catalog.schema import Replica
     from chunkstore.errors import BlobNotFoundError, ChunkStoreError
 
@@ -269,74 +355,104 @@ def gc(settings: Settings, as_json: bool, grace: float, dry_run: bool, force: bo
     deleted: list[dict[str, Any]] = []
     young = kept = 0
     errors: list[str] = []
+    holder = f"kvc gc {socket.gethostname()}:{os.getpid()}"
     with open_catalog(settings) as cat, reporting():
-        with cat.engine.connect() as conn:
-            broken = conn.execute(
-                sa.select(sa.func.count()).where(
-                    Replica.location.in_([s.name for s in stores]), Replica.state == "missing"
-                )
-            ).scalar_one()
-        if broken and not force and not dry_run:
-            fail(
-                f"the catalog records {broken} missing replica(s) in the configured stores; "
-                "check with `kvc fsck` (or run with --force)",
-                EXIT_PROBLEMS,
-            )
-        for store in stores:
-            # Catalogue first, then list: a blob published meanwhile is young, so it is kept.
-            catalogued = set(cat.replicas_at(store.name))
-            candidates: dict[str, tuple[int, float]] = {}
-            try:
-                with _progress(as_json, None, f"gc {store.name}") as bar:
-                    for key in store.keys():
-                        bar.update(1)
-                        if key in catalogued:
-                            kept += 1
-                            continue
-                        try:
-                            st = store.stat(key)
-                        except BlobNotFoundError:
-                            continue
-                        age = (now - st.mtime).total_seconds()
-                        if age < grace:
-                            young += 1
-                        else:
-                            candidates[key] = (st.size, age)
-                # Catalogued since the snapshot: not an orphan any more.
-                for key in _still_catalogued(cat, store.name, sorted(candidates)):
-                    del candidates[key]
-                    kept += 1
-                for key, (size, age) in sorted(candidates.items()):
-                    if not dry_run:
-                        try:
-                            # Refreshed by a publish since we looked: keep it.
-                            if (datetime.now(UTC) - store.stat(key).mtime).total_seconds() < grace:
-                                young += 1
-                                continue
-                        except BlobNotFoundError:
-                            continue
-                        store.delete(key)
-                    deleted.append(
-                        {"store": store.name, "blob_key": key, "size": size, "age_s": round(age)}
+        # A dry run changes nothing, so it needs no lock (and is not refused by one).
+        if not dry_run and not acquire_lock(cat, GC_LOCK, holder, _LOCK_TTL_S):
+            other = lock_holder(cat, GC_LOCK)
+            who = f"{other[0]} until {other[1]:%Y-%m-%d %H:%M:%S} UTC" if other else "another run"
+            fail(f"another GC is running ({who}); try again later", EXIT_PROBLEMS)
+        try:
+            with cat.engine.connect() as conn:
+                broken = conn.execute(
+                    sa.select(sa.func.count()).where(
+                        Replica.location.in_([s.name for s in stores]),
+                        Replica.state == "missing",
                     )
-            except ChunkStoreError as exc:
-                errors.append(f"{store.name}: {exc}")
-                click.echo(f"kvc: warning: {store.name}: {exc}", err=True)
-            finally:
-                store.close()
+                ).scalar_one()
+            if broken and not force and not dry_run:
+                fail(
+                    f"the catalog records {broken} missing replica(s) in the configured stores; "
+                    "check with `kvc fsck` (or run with --force)",
+                    EXIT_PROBLEMS,
+                )
+            retention, lines = _retention(
+                cat,
+                settings,
+                stores,
+                as_json=as_json,
+                max_age=max_age,
+                max_bytes=max_bytes,
+                dry_run=dry_run,
+                now=now,
+            )
+            for store in stores:
+                # Catalogue first, then list: a blob published meanwhile is young, so it is kept.
+                catalogued = set(cat.replicas_at(store.name))
+                candidates: dict[str, tuple[int, float]] = {}
+                try:
+                    with _progress(as_json, None, f"gc {store.name}") as bar:
+                        for key in store.keys():
+                            bar.update(1)
+                            if key in catalogued:
+                                kept += 1
+                                continue
+                            try:
+                                st = store.stat(key)
+                            except BlobNotFoundError:
+                                continue
+                            age = (now - st.mtime).total_seconds()
+                            if age < grace:
+                                young += 1
+                            else:
+                                candidates[key] = (st.size, age)
+                    # Catalogued since the snapshot: not an orphan any more.
+                    for key in _still_catalogued(cat, store.name, sorted(candidates)):
+                        del candidates[key]
+                        kept += 1
+                    for key, (size, age) in sorted(candidates.items()):
+                        if not dry_run:
+                            try:
+                                # Refreshed by a publish since we looked: keep it.
+                                mtime = store.stat(key).mtime
+                                if (datetime.now(UTC) - mtime).total_seconds() < grace:
+                                    young += 1
+                                    continue
+                            except BlobNotFoundError:
+                                continue
+                            store.delete(key)
+                        deleted.append(
+                            {
+                                "store": store.name,
+                                "blob_key": key,
+                                "size": size,
+                                "age_s": round(age),
+                            }
+                        )
+                except ChunkStoreError as exc:
+                    errors.append(f"{store.name}: {exc}")
+                    click.echo(f"kvc: warning: {store.name}: {exc}", err=True)
+                finally:
+                    store.close()
+        finally:
+            if not dry_run:
+                release_lock(cat, GC_LOCK, holder)
     total = sum(d["size"] for d in deleted)
     verb = "would delete" if dry_run else "deleted"
     doc = {
         "dry_run": dry_run,
         "grace_s": grace,
+        "max_age_s": max_age,
+        "max_bytes": max_bytes,
         "stores": [s.name for s in stores],
+        "retention": retention,
         "deleted": deleted,
         "deleted_bytes": total,
         "kept_catalogued": kept,
         "kept_young": young,
         "errors": errors,
     }
-    lines = [f"{verb} {d['blob_key']} at {d['store']} ({d['age_s']} s old)" for d in deleted]
+    lines += [f"{verb} {d['blob_key']} at {d['store']} ({d['age_s']} s old)" for d in deleted]
     lines.append(
         f"{verb} {len(deleted)} orphan blob(s), {human_bytes(total)}; kept {kept} catalogued, "
         f"{young} younger than {grace:g} s"

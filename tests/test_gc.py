@@ -1,0 +1,246 @@
+"""Catalog-side GC: roots, retention by age and bytes, the subtree rule, quarantine, the lock."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from catalog.catalog import Catalog
+from catalog.gc import GcPlan, acquire_lock, apply_gc, lock_holder, plan_gc, release_lock
+from tests.catalog_helpers import CS, FP, chain_records, publish, receipt
+
+NS = "default"
+NOW = datetime.now(UTC)
+DAY = 86400.0
+A = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]  # a1 a2 a3
+B = [0, 1, 2, 3, 50, 51, 52, 53, 54, 55, 56, 57]  # a1 b2 b3
+
+
+@pytest.fixture
+def cat(tmp_path: Path) -> Iterator[Catalog]:
+    c = Catalog.open(f"sqlite:///{tmp_path / 'catalog.db'}", upgrade=True)
+    c.ensure_namespace(NS, CS)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def tree(cat: Catalog) -> dict[str, bytes]:
+    """Two chains sharing their first chunk: a1 -> a2 -> a3 and a1 -> b2 -> b3 (100 bytes each)."""
+    a = publish(cat, NS, A)
+    b = publish(cat, NS, B)
+    nodes = {"a1": a[0].prefix_hash, "a2": a[1].prefix_hash, "a3": a[2].prefix_hash}
+    nodes |= {"b2": b[1].prefix_hash, "b3": b[2].prefix_hash}
+    for name in nodes:
+        use(cat, nodes, name, age_s=60, count=0)
+    return nodes
+
+
+def use(cat: Catalog, nodes: dict[str, bytes], name: str, *, age_s: float, count: int) -> None:
+    with cat.engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "UPDATE chunks SET last_access_at = :at, access_count = :n WHERE prefix_hash = :h"
+            ),
+            {
+                "at": (NOW - timedelta(seconds=age_s)).replace(tzinfo=None),
+                "n": count,
+                "h": nodes[name],
+            },
+        )
+
+
+def purged(plan: GcPlan, nodes: dict[str, bytes]) -> dict[str, str]:
+    names = {h: n for n, h in nodes.items()}
+    return {names[i.prefix_hash]: i.reason for i in plan.items}
+
+
+def count(cat: Catalog, table: str) -> int:
+    with cat.engine.connect() as conn:
+        return int(conn.execute(sa.text(f"SELECT count(*) FROM {table}")).scalar_one())
+
+
+def test_a_ref_protects_its_lineage(cat: Catalog, tree: dict[str, bytes]) -> None:
+    cat.create_ref(NS, "chat", FP, tree["a3"])
+    plan = plan_gc(cat, NS, max_age_s=0, max_bytes=None, now=NOW)
+    assert purged(plan, tree) == {"b2": "age", "b3": "age"}
+    assert plan.roots == 1 and plan.bytes_before == 500 and plan.bytes_after == 300
+    # Bytes retention cannot go below the roots either.
+    assert set(purged(plan_gc(cat, NS, max_age_s=None, max_bytes=0, now=NOW), tree)) == {
+        "b2",
+        "b3",
+    }
+
+
+def test_age_purges_only_old_leaves(cat: Catalog, tree: dict[str, bytes]) -> None:
+    use(cat, tree, "b3", age_s=2 * DAY, count=9)
+    use(cat, tree, "a2", age_s=2 * DAY, count=0)  # old, but a3 below it is recent
+    assert purged(plan_gc(cat, NS, max_age_s=DAY, max_bytes=None, now=NOW), tree) == {"b3": "age"}
+    # Once the leaf goes, an old parent becomes a leaf and goes too.
+    use(cat, tree, "b2", age_s=3 * DAY, count=0)
+    got = purged(plan_gc(cat, NS, max_age_s=DAY, max_bytes=None, now=NOW), tree)
+    assert got == {"b3": "age", "b2": "age"}
+    assert purged(plan_gc(cat, NS, max_age_s=None, max_bytes=None, now=NOW), tree) == {}
+
+
+def test_bytes_purge_least_valuable_leaves_first(cat: Catalog, tree: dict[str, bytes]) -> None:
+    use(cat, tree, "a3", age_s=60, count=5)
+    use(cat, tree, "b3", age_s=60, count=1)
+    use(cat, tree, "b2", age_s=60, count=10)
+    # a1 and a2 are never used but have descendants: they cannot go before them.
+    plan = plan_gc(cat, NS, max_age_s=None, max_bytes=300, now=NOW)
+    assert [purged(plan, tree)] == [{"b3": "bytes", "a3": "bytes"}]
+    assert [i.prefix_hash for i in plan.items] == [tree["b3"], tree["a3"]]
+    assert plan.bytes_after == 300
+    plan = plan_gc(cat, NS, max_age_s=None, max_bytes=200, now=NOW)
+    assert list(purged(plan, tree)) == ["b3", "a3", "a2"]  # a2 became a leaf, worth 0
+    everything = purged(plan_gc(cat, NS, max_age_s=None, max_bytes=0, now=NOW), tree)
+    assert list(everything)[-1] == "a1"  # the shared parent goes last, with its whole subtree
+    # Ties on use count: the least recently used goes first.
+    use(cat, tree, "a3", age_s=10 * DAY, count=1)
+    assert list(purged(plan_gc(cat, NS, max_age_s=None, max_bytes=400, now=NOW), tree)) == ["a3"]
+
+
+def test_quarantined_subtree_is_purged_unless_a_root_needs_it(
+    cat: Catalog, tree: dict[str, bytes]
+) -> None:
+    cat.quarantine(NS, tree["b2"], "bad build")
+    plan = plan_gc(cat, NS, max_age_s=None, max_bytes=None, now=NOW)
+    assert purged(plan, tree) == {"b2": "quarantined", "b3": "quarantined"}
+    cat.create_ref(NS, "bad", FP, tree["b3"])
+    plan = plan_gc(cat, NS, max_age_s=None, max_bytes=None, now=NOW)
+    assert purged(plan, tree) == {}
+    assert set(plan.kept_quarantined) == {tree["b2"], tree["b3"]}
+    assert plan.to_json()["kept_quarantined"]
+
+
+def test_demand_protects_until_it_expires(cat: Catalog, tree: dict[str, bytes]) -> None:
+    cat.declare_demand("w1", NS, tree["b3"], ttl_s=600)
+    now = datetime.now(UTC)
+    assert set(purged(plan_gc(cat, NS, max_age_s=0, max_bytes=None, now=now), tree)) == {"a2", "a3"}
+    later = now + timedelta(seconds=1200)
+    assert set(purged(plan_gc(cat, NS, max_age_s=0, max_bytes=None, now=later), tree)) == set(tree)
+
+
+def test_lock_one_holder_at_a_time_and_a_stale_one_expires(cat: Catalog) -> None:
+    assert acquire_lock(cat, "gc", "one", 600)
+    assert not acquire_lock(cat, "gc", "two", 600)
+    assert acquire_lock(cat, "gc", "one", 600)  # the holder renews
+    assert not release_lock(cat, "gc", "two")
+    holder = lock_holder(cat, "gc")
+    assert holder is not None and holder[0] == "one"
+    with cat.engine.begin() as conn:  # "one" crashed long ago
+        conn.execute(sa.text("UPDATE locks SET expires_at = '2000-01-01 00:00:00'"))
+    assert acquire_lock(cat, "gc", "two", 600)
+    assert not acquire_lock(cat, "gc", "one", 600)
+    assert [e.details["previous"] for e in cat.events(kind="lock.takeover")] == ["one"]
+    assert release_lock(cat, "gc", "two") and lock_holder(cat, "gc") is None
+    assert acquire_lock(cat, "gc", "three", 600)
+
+
+def test_planning_changes_nothing(cat: Catalog, tree: dict[str, bytes]) -> None:
+    before = {t: count(cat, t) for t in ("chunks", "prefixes", "replicas", "events")}
+    plan = plan_gc(cat, NS, max_age_s=0, max_bytes=0, now=NOW)
+    assert len(plan.items) == 5
+    assert {t: count(cat, t) for t in before} == before
+
+
+def test_apply_deletes_blobs_and_rows_with_events(cat: Catalog, tree: dict[str, bytes]) -> None:
+    cat.create_ref(NS, "chat", FP, tree["a3"])
+    # b3 has a second replica on a worker this caller cannot reach.
+    b3 = chain_records(NS, B)[2]
+    cat.record_replica(b3.blob_key, receipt(location="worker:w1", tier="resident"))
+    blobs = {("file:///store", r.blob_key) for r in chain_records(NS, A) + chain_records(NS, B)}
+    calls: list[tuple[str, str]] = []
+
+    def delete_blob(location: str, key: str) -> bool:
+        calls.append((location, key))
+        if location.startswith("worker:"):
+            return False
+        blobs.discard((location, key))
+        return True
+
+    plan = plan_gc(cat, NS, max_age_s=0, max_bytes=None, now=NOW)
+    result = apply_gc(cat, plan, delete_blob)
+    b2 = chain_records(NS, B)[1]
+    assert result.chunks_removed == 2 and result.prefixes_removed == 2
+    assert sorted(result.blobs_deleted) == sorted(
+        [("file:///store", b2.blob_key), ("file:///store", b3.blob_key)]
+    )
+    assert result.blobs_kept == [("worker:w1", b3.blob_key, "location not reachable")]
+    assert ("file:///store", b2.blob_key) not in blobs and len(blobs) == 3
+    assert count(cat, "chunks") == 3 and count(cat, "prefixes") == 3
+    with cat.engine.connect() as conn:
+        left = conn.execute(
+            sa.text("SELECT location, state FROM replicas WHERE blob_key = :k"), {"k": b3.blob_key}
+        ).all()
+    assert [tuple(r) for r in left] == [("worker:w1", "deleting")]
+    kinds = [e.kind for e in cat.events(namespace=NS)]
+    assert kinds.count("chunk.purge") == 2 and kinds.count("replica.deleting") == 2
+    assert kinds.count("replica.delete") == 2 and kinds[-1] == "gc"
+    # Nothing left to do: a second plan is empty.
+    assert plan_gc(cat, NS, max_age_s=0, max_bytes=None, now=NOW).items == []
+
+
+def test_apply_keeps_a_blob_a_kept_chunk_still_names(cat: Catalog, tree: dict[str, bytes]) -> None:
+    # Another fingerprint's chunk at a1 (kept: a ref on a3) names b3's blob.
+    b3 = chain_records(NS, B)[2]
+    a1 = chain_records(NS, A)[0]
+    other = dataclasses.replace(
+        a1, shard=dataclasses.replace(a1.shard, head_hi=1), blob_key=b3.blob_key
+    )
+    cat.record_chunks([other])
+    cat.create_ref(NS, "chat", FP, tree["a3"])
+    calls: list[tuple[str, str]] = []
+    plan = plan_gc(cat, NS, max_age_s=0, max_bytes=None, now=NOW)
+    result = apply_gc(cat, plan, lambda loc, key: calls.append((loc, key)) is None)
+    assert result.shared_blobs == [b3.blob_key]
+    assert [k for _, k in calls] == [chain_records(NS, B)[1].blob_key]
+    with cat.engine.connect() as conn:
+        state = conn.execute(
+            sa.text("SELECT state FROM replicas WHERE blob_key = :k"), {"k": b3.blob_key}
+        ).scalar_one()
+    assert state == "durable" and count(cat, "chunks") == 4
+
+
+def test_apply_skips_what_became_a_root_since_planning(
+    cat: Catalog, tree: dict[str, bytes]
+) -> None:
+    plan = plan_gc(cat, NS, max_age_s=0, max_bytes=None, now=NOW)
+    cat.create_ref(NS, "late", FP, tree["b3"])
+    result = apply_gc(cat, plan, lambda loc, key: True)
+    assert result.skipped_now_rooted == 3  # b3, b2, a1 are now a lineage
+    assert count(cat, "chunks") == 3
+
+
+def test_cli_gc_dry_run_lock_and_retention(tmp_path: Path) -> None:
+    from tests.test_cli_commands import _populate, kvc, one_line_error
+
+    home = _populate(tmp_path / "home")
+    with Catalog.open(home.catalog_url) as cat:
+        cat.delete_ref(NS, "chat")
+        before = count(cat, "chunks")
+    keys = [k for _, k in home.chain()]
+    dry = json.loads(kvc("gc", "--dry-run", "--max-age", "0", "--json", env=home.env).stdout)
+    assert len(dry["retention"]["items"]) == before == 4
+    with Catalog.open(home.catalog_url) as cat:
+        assert count(cat, "chunks") == before
+        assert acquire_lock(cat, "gc", "someone else", 600)
+    one_line_error(kvc("gc", "--max-age", "0", env=home.env), 1)
+    with Catalog.open(home.catalog_url) as cat:
+        release_lock(cat, "gc", "someone else")
+    out = kvc("gc", "--max-age", "0", "--json", env=home.env)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["retention"]["result"]["chunks_removed"] == 4
+    assert len(doc["retention"]["result"]["blobs_deleted"]) == 4
+    assert not any(home.blob_path(k).exists() for k in keys)
+    with Catalog.open(home.catalog_url) as cat:
+        assert count(cat, "chunks") == 0 and count(cat, "replicas") == 0
+        assert lock_holder(cat, "gc") is None
