@@ -384,3 +384,33 @@ def test_fsck_read_data_records_the_verification_time(home: Home) -> None:
         after = conn.execute(query).scalar_one()
     engine.dispose()
     assert str(after) > str(before)
+
+
+def test_fsck_repairs_a_corrupt_replica_from_a_good_one(home: Home, tmp_path: Path) -> None:
+    from chunkstore.record import decode_chunk
+    from restore.checkpoint import to_replica_receipt
+
+    second = open_store(f"file://{tmp_path / 'second'}")
+    with Catalog.open(home.catalog_url) as cat:
+        for _, key in home.chain():
+            data = bytes(open_store(home.store_name).get(key))
+            cat.record_replica(key, to_replica_receipt(second.put(key, data), "local"))
+    _, key = home.chain()[2]
+    path = home.blob_path(key)
+    path.chmod(0o644)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    env = {**home.env, "KVC_STORES": f"{home.store_name},{second.name}"}
+    out = kvc("fsck", "--read-data", "--json", env=env)
+    assert out.returncode == 1, out.stderr  # a problem was found (and repaired)
+    doc = json.loads(out.stdout)
+    assert doc["repaired"] == [{"blob_key": key, "location": home.store_name, "source": second.name}]
+    with Catalog.open(home.catalog_url) as cat, cat.engine.connect() as conn:
+        st = dict(conn.exec_driver_sql("SELECT location, state FROM replicas WHERE blob_key = ?", (key,)).all())
+    assert st == {home.store_name: "durable", second.name: "durable"}
+    decode_chunk(open_store(home.store_name).get(key), expected_key=key)  # the bytes verify again
+    again = kvc("fsck", "--read-data", "--json", env=env)
+    assert again.returncode == 0 and json.loads(again.stdout)["clean"] is True
+    no_repair = kvc("fsck", "--help", env=env)
+    assert "--no-repair" in no_repair.stdout

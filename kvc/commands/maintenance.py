@@ -75,7 +75,15 @@ def _in_subset(key: str, subset: tuple[int, int] | None) -> bool:
     default=None,
     help="Check only part n of t (by blob key), to spread the work over runs.",
 )
-def fsck(settings: Settings, as_json: bool, read_data: bool, subset_text: str | None) -> None:
+@click.option(
+    "--repair/--no-repair",
+    default=True,
+    show_default=True,
+    help="Copy a verified good replica over each missing or corrupt one.",
+)
+def fsck(
+    settings: Settings, as_json: bool, read_data: bool, subset_text: str | None, repair: bool
+) -> None:
     """Check every catalogued replica in the configured stores.
 
     Each replica must exist with its receipt's size; with --read-data its bytes
@@ -83,7 +91,10 @@ def fsck(settings: Settings, as_json: bool, read_data: bool, subset_text: str | 
     marked `missing` or `corrupt` in the catalog (restores then skip them); a
     replica marked broken that checks out again is marked `durable`. Replicas
     at locations that are not configured stores (other stores, workers) are
-    reported as not checked. Exit 1 when problems were found, 0 when clean."""
+    reported as not checked. A missing or corrupt replica is repaired from
+    another replica of the same blob in a configured store, once that copy
+    verifies (disable with --no-repair). Exit 1 when problems were found
+    (repaired or not), 0 when clean."""
     import sqlalchemy as sa
 
     from catalog.schema import Replica
@@ -102,6 +113,7 @@ def fsck(settings: Settings, as_json: bool, read_data: bool, subset_text: str | 
     corrupt: list[dict[str, Any]] = []
     unreachable: list[dict[str, Any]] = []
     revived: list[dict[str, Any]] = []
+    repaired: list[dict[str, Any]] = []
     verified: dict[str, list[str]] = {}
     checked = ok = 0
     down: dict[str, str] = {}  # store -> first error; its remaining replicas are not checked
@@ -176,6 +188,8 @@ def fsck(settings: Settings, as_json: bool, read_data: bool, subset_text: str | 
                     revived.append({**item, "state": "durable"})
         for loc, keys in verified.items():
             cat.touch_verified(loc, keys)
+        if repair:
+            repaired = _repair(cat, stores, missing + corrupt, down, actor)
     for s in stores.values():
         s.close()
     skipped = sum(1 for _, loc, _, _ in rows if loc in down) - len(unreachable)
@@ -191,6 +205,7 @@ def fsck(settings: Settings, as_json: bool, read_data: bool, subset_text: str | 
         "unreachable": unreachable,
         "skipped_after_error": skipped,
         "revived": revived,
+        "repaired": repaired,
         "not_checked": elsewhere,
         "clean": not problems,
     }
@@ -198,6 +213,7 @@ def fsck(settings: Settings, as_json: bool, read_data: bool, subset_text: str | 
     lines += [f"corrupt  {c['blob_key']} at {c['location']}: {c['reason']}" for c in corrupt]
     lines += [f"unreachable {u['location']}: {u['reason']}" for u in unreachable]
     lines += [f"revived  {r['blob_key']} at {r['location']} (was {r['was']})" for r in revived]
+    lines += [f"repaired {r['blob_key']} at {r['location']} from {r['source']}" for r in repaired]
     lines.append(
         f"checked {checked} replica(s) in {len(stores)} store(s)"
         f"{' reading data' if read_data else ''}: {ok} ok, {len(missing)} missing, "
@@ -208,6 +224,37 @@ def fsck(settings: Settings, as_json: bool, read_data: bool, subset_text: str | 
     emit(as_json, doc, "\n".join(lines))
     if problems:
         sys.exit(EXIT_PROBLEMS)
+
+
+def _repair(
+    cat: Any, stores: dict[str, Any], broken: list[dict[str, Any]], down: dict[str, str], actor: str
+) -> list[dict[str, Any]]:
+    """Copy verified bytes from a good replica over each broken one; return what was repaired."""
+    from chunkstore.errors import ChunkStoreError
+    from chunkstore.record import decode_chunk
+    from restore.checkpoint import store_tier, to_replica_receipt
+
+    bad = {(b["blob_key"], b["location"]) for b in broken}
+    out: list[dict[str, Any]] = []
+    for item in broken:
+        key, loc = item["blob_key"], item["location"]
+        if loc in down:
+            continue
+        for src_name, src in stores.items():
+            if src_name == loc or (key, src_name) in bad or src_name in down:
+                continue
+            try:
+                data = bytes(src.get(key))
+                decode_chunk(data, expected_key=key)  # never copy bytes that do not verify
+                target = stores[loc]
+                target.delete(key)  # a same-size corrupt copy would otherwise be kept
+                receipt = target.put(key, data)
+            except (ChunkStoreError, OSError, ValueError):
+                continue
+            cat.record_replica(key, to_replica_receipt(receipt, store_tier(target)), actor=actor)
+            out.append({"blob_key": key, "location": loc, "source": src_name})
+            break
+    return out
 
 
 # -- gc ----------------------------------------------------------------------------------
