@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from catalog.database import head_revision
 from kvc import __version__
+
+HEAD = head_revision()
 
 
 def _kvc(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -45,9 +48,9 @@ def test_db_upgrade_and_current(tmp_path: Path) -> None:
     doc = json.loads(out.stdout)
     assert doc["current"] is None and doc["up_to_date"] is False
     up = _kvc("db", "upgrade", "--catalog", url)
-    assert up.returncode == 0 and "-> 0001" in up.stdout
+    assert up.returncode == 0 and f"-> {HEAD}" in up.stdout
     again = _kvc("db", "upgrade", "--catalog", url, "--json")
-    assert again.returncode == 0 and json.loads(again.stdout)["from"] == "0001"
+    assert again.returncode == 0 and json.loads(again.stdout)["from"] == HEAD
     cur = _kvc("db", "current", "--json", env={"KVC_CATALOG_URL": url})
     assert cur.returncode == 0 and json.loads(cur.stdout)["up_to_date"] is True
 
@@ -70,7 +73,7 @@ def test_init_is_idempotent(tmp_path: Path) -> None:
     first = _kvc("init", "--json", env=env)
     assert first.returncode == 0, first.stderr
     doc = json.loads(first.stdout)
-    assert doc["schema"] == "0001" and doc["stores"] == [f"file://{tmp_path / 'home' / 'blobs'}"]
+    assert doc["schema"] == HEAD and doc["stores"] == [f"file://{tmp_path / 'home' / 'blobs'}"]
     again = _kvc("init", "--json", env=env)
     assert again.returncode == 0 and json.loads(again.stdout) == doc
 
