@@ -170,6 +170,7 @@ class Daemon:
         self._fingerprint: Fingerprint | None = None
         # route -> {blob key: stored bytes} of the chunks that route holds whole.
         self._held: dict[int, dict[str, int]] = {}
+        self._invalidated_seq = 0  # last `invalidate` event applied
         self._counts: Counter[str] = Counter()
         self._errors: deque[dict[str, Any]] = deque(maxlen=10)
         self._closed = False
@@ -196,8 +197,40 @@ class Daemon:
         return self._sync(advertise=False)["withdrawn"]
 
     def refresh(self) -> dict[str, int]:
-        """Make the catalog's resident replicas for this worker exactly what the pool holds."""
-        return self._sync(advertise=True)
+        """Apply pending invalidations, then make the catalog's resident replicas for this
+        worker exactly what the pool holds."""
+        dropped = self.apply_invalidations()
+        return {**self._sync(advertise=True), "invalidated_routes": dropped}
+
+    def apply_invalidations(self) -> int:
+        """Drop every route holding a blob that a quarantine invalidated on this worker.
+
+        Quarantine records one `invalidate` event per replica (ARCHITECTURE 9);
+        the events addressed to this worker's location are read in order from
+        the last one applied. Returns how many routes were released.
+        """
+        events = self.catalog.events(
+            kind="invalidate", since_seq=self._invalidated_seq, limit=10_000
+        )
+        bad: set[str] = set()
+        for e in events:
+            self._invalidated_seq = max(self._invalidated_seq, e.seq)
+            if e.details.get("location") == self.location and e.subject:
+                bad.add(e.subject)
+        if not bad:
+            return 0
+        dropped = 0
+        with self._lock:
+            pool = self._pool
+            if pool is not None:
+                for route, held in list(self._held.items()):
+                    if bad & held.keys() and route in pool.routes():
+                        pool.release(route)
+                        del self._held[route]
+                        dropped += 1
+        self._counts["invalidated_routes"] += dropped
+        log.info("dropped %d route(s) holding %d invalidated blob(s)", dropped, len(bad))
+        return dropped
 
     def close(self) -> None:
         """Release the pool, withdraw its resident replicas, drain write-behind uploads."""

@@ -316,3 +316,21 @@ def test_cli_help_shows_an_example() -> None:
     assert "Example: kvc daemon" in result.output
     for option in ("--host", "--port", "--worker-id", "--catalog", "--store"):
         assert option in result.output
+
+
+def test_quarantine_invalidations_drop_the_routes_holding_those_blobs(
+    worker: Callable[[str], Worker], cat: Catalog
+) -> None:
+    a, client_a = configured(worker, "A")
+    cp = prefill_and_checkpoint(client_a, PROMPT)
+    other = client_a.post("/v1/prefill", json={"tokens": [1, 2, 3]}).json()["route"]
+    match = cat.lookup("ns", MODEL.fingerprint, [*PROMPT, 0])
+    directives = cat.quarantine("ns", match.chunks[1].prefix_hash, "bad kernel")
+    assert any(d.location == "worker:A" for d in directives)
+    r = client_a.post("/v1/refresh")
+    assert r.status_code == 200, r.text
+    assert r.json()["invalidated_routes"] == 1
+    assert pool_of(a).routes() == [other]  # the route with quarantined pages is gone
+    assert cp["route"] not in pool_of(a).routes()
+    assert cat.replicas_at("worker:A") == []  # and its resident placements withdrawn
+    assert a.apply_invalidations() == 0  # applied once
