@@ -6,7 +6,6 @@ import json
 import sys
 
 import blake3
-import numpy as np
 
 from catalog.catalog import Catalog
 from chunkstore import open_store
@@ -25,12 +24,7 @@ def main() -> None:
     with Restorer(cat, stores, namespace=args["namespace"]) as restorer:
         res = restorer.restore(pool, prompt, model.fingerprint)
     route = res.route if res.route is not None else pool.new_route()
-    logits = [model.prefill(pool, route, prompt[res.restored_tokens :])]
-    tokens = []
-    for _ in range(args["n"]):
-        t = int(np.argmax(logits[-1]))
-        tokens.append(t)
-        logits.append(model.decode(pool, route, t))
+    tokens, logits = model.trace(pool, route, prompt[res.restored_tokens :], args["n"])
     cat.close()
     print(
         json.dumps(

@@ -40,12 +40,7 @@ def digest(x: np.ndarray[Any, Any]) -> str:
 
 
 def resume(pool: PagePool, route: int, rest: list[int], n: int) -> tuple[list[int], list[str]]:
-    logits = [MODEL.prefill(pool, route, rest)]
-    out = []
-    for _ in range(n):
-        t = int(np.argmax(logits[-1]))
-        out.append(t)
-        logits.append(MODEL.decode(pool, route, t))
+    out, logits = MODEL.trace(pool, route, rest, n)
     return out, [digest(x) for x in logits]
 
 

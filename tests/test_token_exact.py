@@ -72,12 +72,7 @@ def straight(tokens: list[int], n: int) -> tuple[list[int], list[str]]:
 
 def resume(pool: PagePool, route: int, rest: list[int], n: int) -> tuple[list[int], list[str]]:
     """Prefill `rest` after what the route holds, then n greedy steps: (tokens, logits digests)."""
-    logits = [MODEL.prefill(pool, route, rest)]
-    out = []
-    for _ in range(n):
-        t = int(np.argmax(logits[-1]))
-        out.append(t)
-        logits.append(MODEL.decode(pool, route, t))
+    out, logits = MODEL.trace(pool, route, rest, n)
     return out, [digest(x) for x in logits]
 
 

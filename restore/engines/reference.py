@@ -259,6 +259,21 @@ class ReferenceModel:
                 logits = self.decode(pool, route, out[-1])
         return out
 
+    def trace(
+        self, pool: KVPool, route: int, tokens: Sequence[int], n: int
+    ) -> tuple[list[int], list[np.ndarray[Any, Any]]]:
+        """Prefill `tokens`, then `n` greedy steps, each picked token fed back.
+
+        Returns the picked tokens and every step's logits (n + 1 arrays): what an
+        exactness check compares between a straight and a resumed run.
+        """
+        logits = [self.prefill(pool, route, tokens)]
+        picked: list[int] = []
+        for _ in range(n):
+            picked.append(int(np.argmax(logits[-1])))
+            logits.append(self.decode(pool, route, picked[-1]))
+        return picked, logits
+
     # -- validation ---------------------------------------------------------------
 
     def _check_tokens(self, tokens: Sequence[int]) -> list[int]:
