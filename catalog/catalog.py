@@ -237,21 +237,6 @@ class Catalog:
         with self.engine.connect() as conn:
             return self._fingerprint(conn, fingerprint_hex(fp))
 
-    def register_store(self, name: str, kind: str, tier: str) -> None:
-        """Record a store (by its credential-free URL) so replica rows can name it."""
-        if tier not in TIERS:
-            raise CatalogError(f"unknown tier {tier!r}: expected one of {', '.join(TIERS)}")
-
-        def run() -> None:
-            with self._write() as conn:
-                conn.execute(
-                    self._insert(conn, Store)
-                    .values(name=name, kind=kind, tier=tier, created_at=utcnow())
-                    .on_conflict_do_nothing(index_elements=["name"])
-                )
-
-        self._retrying(run)
-
     # -- publish -------------------------------------------------------------
 
     def record_chunks(

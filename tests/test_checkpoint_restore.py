@@ -14,13 +14,13 @@ import sqlalchemy as sa
 from catalog.catalog import Catalog
 from catalog.models import Shard
 from chunkstore import ChunkStore, Receipt, open_store
-from chunkstore.base import BlobStat
 from chunkstore.errors import StoreUnavailableError
 from restore.checkpoint import Checkpointer
 from restore.engines.reference import ReferenceModel
 from restore.errors import CheckpointBusyError, PoolExhaustedError, RestoreError
 from restore.pool import PagePool
 from restore.restore import Restorer
+from tests.store_wrappers import Delegating
 
 MODEL = ReferenceModel.small(seed=0)
 CHUNK = 32
@@ -50,11 +50,11 @@ def computed(n: int, seed: int = 1) -> tuple[PagePool, int, list[int]]:
     return pool, route, t
 
 
-class Gate(ChunkStore):
+class Gate(Delegating):
     """A store that delegates to another, optionally blocking or failing puts and gets."""
 
     def __init__(self, inner: ChunkStore, name: str) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self._name = name
         self.put_gate = threading.Event()
         self.put_gate.set()
@@ -75,18 +75,6 @@ class Gate(ChunkStore):
         if self.fail_gets:
             raise StoreUnavailableError(f"{self._name}: connection refused")
         return self.inner.get(key)
-
-    def exists(self, key: str) -> bool:
-        return self.inner.exists(key)
-
-    def stat(self, key: str) -> BlobStat:
-        return self.inner.stat(key)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def keys(self) -> Iterator[str]:
-        return self.inner.keys()
 
 
 def test_checkpoint_skips_what_the_catalog_has(cat: Catalog, local: ChunkStore) -> None:

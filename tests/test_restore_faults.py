@@ -22,34 +22,27 @@ import numpy as np
 import pytest
 
 from catalog import Catalog
-from chunkstore import ChunkStore, Receipt, open_store
-from chunkstore.base import BlobStat
+from chunkstore import ChunkStore, open_store
 from chunkstore.errors import StoreUnavailableError
 from restore.checkpoint import Checkpointer, to_replica_receipt
 from restore.engines.reference import ReferenceModel
 from restore.pool import PagePool
 from restore.restore import Restorer
+from tests.store_wrappers import Delegating
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ReferenceModel.small(seed=0)
 TOKENS = np.random.default_rng(4).integers(0, MODEL.vocab_size, 100).tolist()
 
 
-class Faulty(ChunkStore):
+class Faulty(Delegating):
     """Wraps a store and damages what `get` returns, per key and per mode."""
 
     def __init__(self, inner: ChunkStore) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.modes: dict[str, str] = {}
         self.reads: dict[str, int] = {}
         self._lock = threading.Lock()
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    def put(self, key: str, data: Any) -> Receipt:
-        return self.inner.put(key, data)
 
     def get(self, key: str) -> Any:
         with self._lock:
@@ -65,18 +58,6 @@ class Faulty(ChunkStore):
         if mode == "truncate":
             return data[: len(data) // 2]
         return data
-
-    def exists(self, key: str) -> bool:
-        return self.inner.exists(key)
-
-    def stat(self, key: str) -> BlobStat:
-        return self.inner.stat(key)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def keys(self) -> Iterator[str]:
-        return self.inner.keys()
 
 
 @pytest.fixture

@@ -1,0 +1,38 @@
+"""A chunk store that delegates to another: the base of the tests' fault-injecting stores."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from chunkstore import ChunkStore, Receipt
+from chunkstore.base import BlobStat
+
+
+class Delegating(ChunkStore):
+    """Every call goes to `inner`; subclasses override the calls they interfere with."""
+
+    def __init__(self, inner: ChunkStore) -> None:
+        self.inner = inner
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    def put(self, key: str, data: Any) -> Receipt:
+        return self.inner.put(key, data)
+
+    def get(self, key: str) -> Any:
+        return self.inner.get(key)
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
+    def stat(self, key: str) -> BlobStat:
+        return self.inner.stat(key)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def keys(self) -> Iterator[str]:
+        return self.inner.keys()
