@@ -1,4 +1,7 @@
-"""Catalog-side GC: roots, retention by age and bytes, the subtree rule, quarantine, the lock."""
+"""Catalog-side GC: roots, retention by age and bytes, the subtree rule, quarantine, the lock.
+
+Every test runs on SQLite and on PostgreSQL.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import sqlalchemy as sa
 
 from catalog.catalog import Catalog
 from catalog.gc import GcPlan, acquire_lock, apply_gc, lock_holder, plan_gc, release_lock
+from catalog.schema import Chunk, Lock
 from tests.catalog_helpers import CS, FP, chain_records, publish, receipt
 
 NS = "default"
@@ -22,9 +26,16 @@ A = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]  # a1 a2 a3
 B = [0, 1, 2, 3, 50, 51, 52, 53, 54, 55, 56, 57]  # a1 b2 b3
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+def catalog_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'catalog.db'}"
+    return str(request.getfixturevalue("postgres_url"))
+
+
 @pytest.fixture
-def cat(tmp_path: Path) -> Iterator[Catalog]:
-    c = Catalog.open(f"sqlite:///{tmp_path / 'catalog.db'}", upgrade=True)
+def cat(catalog_url: str) -> Iterator[Catalog]:
+    c = Catalog.open(catalog_url, upgrade=True)
     c.ensure_namespace(NS, CS)
     yield c
     c.close()
@@ -43,16 +54,14 @@ def tree(cat: Catalog) -> dict[str, bytes]:
 
 
 def use(cat: Catalog, nodes: dict[str, bytes], name: str, *, age_s: float, count: int) -> None:
+    # Through the schema's UTCDateTime (not raw SQL with a naive value): SQLite gets naive
+    # UTC text, PostgreSQL an aware value for its timestamptz column. A naive value in raw
+    # SQL would be read by PostgreSQL in the session's TimeZone, not as UTC.
     with cat.engine.begin() as conn:
         conn.execute(
-            sa.text(
-                "UPDATE chunks SET last_access_at = :at, access_count = :n WHERE prefix_hash = :h"
-            ),
-            {
-                "at": (NOW - timedelta(seconds=age_s)).replace(tzinfo=None),
-                "n": count,
-                "h": nodes[name],
-            },
+            sa.update(Chunk)
+            .where(Chunk.prefix_hash == nodes[name])
+            .values(last_access_at=NOW - timedelta(seconds=age_s), access_count=count)
         )
 
 
@@ -136,7 +145,7 @@ def test_lock_one_holder_at_a_time_and_a_stale_one_expires(cat: Catalog) -> None
     holder = lock_holder(cat, "gc")
     assert holder is not None and holder[0] == "one"
     with cat.engine.begin() as conn:  # "one" crashed long ago
-        conn.execute(sa.text("UPDATE locks SET expires_at = '2000-01-01 00:00:00'"))
+        conn.execute(sa.update(Lock).values(expires_at=datetime(2000, 1, 1, tzinfo=UTC)))
     assert acquire_lock(cat, "gc", "two", 600)
     assert not acquire_lock(cat, "gc", "one", 600)
     assert [e.details["previous"] for e in cat.events(kind="lock.takeover")] == ["one"]
@@ -219,28 +228,65 @@ def test_apply_skips_what_became_a_root_since_planning(
     assert count(cat, "chunks") == 3
 
 
-def test_cli_gc_dry_run_lock_and_retention(tmp_path: Path) -> None:
-    from tests.test_cli_commands import _populate, kvc, one_line_error
+@pytest.fixture
+def cli_home(catalog_url: str, tmp_path: Path) -> tuple[Path, str, dict[str, str]]:
+    """A home populated as tests.test_cli_commands._populate does (100 tokens checkpointed
+    as ref `chat`: 4 chunks), with its catalog on either database: its catalog URL and the
+    CLI's environment. SQLite is the embedded default (the home's catalog.db, found through
+    KVC_HOME alone); PostgreSQL is given as KVC_CATALOG_URL, with KVC_STORES naming the
+    home's blob directory so the store is the same."""
+    import numpy as np
 
-    home = _populate(tmp_path / "home")
-    with Catalog.open(home.catalog_url) as cat:
+    from chunkstore import open_store
+    from restore.checkpoint import Checkpointer
+    from restore.pool import PagePool
+    from tests.test_cli_commands import CHUNK, MODEL
+
+    path = tmp_path / "home"
+    path.mkdir()
+    store_url = f"file://{path / 'blobs'}"
+    if catalog_url.startswith("sqlite"):
+        catalog_url = f"sqlite:///{path / 'catalog.db'}"  # the home's own, not the fixture's
+        env = {"KVC_HOME": str(path)}
+    else:
+        env = {"KVC_HOME": str(path), "KVC_CATALOG_URL": catalog_url, "KVC_STORES": store_url}
+    tokens = np.random.default_rng(1).integers(0, MODEL.vocab_size, 100).tolist()
+    pool = PagePool(MODEL.layout, page_size=16, num_pages=64)
+    route = pool.new_route()
+    MODEL.prefill(pool, route, tokens)
+    with (
+        Catalog.open(catalog_url, upgrade=True) as cat,
+        Checkpointer(cat, open_store(store_url), chunk_size=CHUNK) as cp,
+    ):
+        cp.checkpoint(pool, route, tokens, MODEL.fingerprint, name="chat", pending=3)
+    return path, catalog_url, env
+
+
+def test_cli_gc_dry_run_lock_and_retention(cli_home: tuple[Path, str, dict[str, str]]) -> None:
+    from tests.test_cli_commands import Home, kvc, one_line_error
+
+    path, url, env = cli_home
+    with Catalog.open(url) as cat:
         cat.delete_ref(NS, "chat")
         before = count(cat, "chunks")
-    keys = [k for _, k in home.chain()]
-    dry = json.loads(kvc("gc", "--dry-run", "--max-age", "0", "--json", env=home.env).stdout)
+        with cat.engine.connect() as conn:
+            keys = list(conn.execute(sa.select(Chunk.blob_key)).scalars())
+    blob_path = Home(path, []).blob_path
+    assert all(blob_path(k).exists() for k in keys)
+    dry = json.loads(kvc("gc", "--dry-run", "--max-age", "0", "--json", env=env).stdout)
     assert len(dry["retention"]["items"]) == before == 4
-    with Catalog.open(home.catalog_url) as cat:
+    with Catalog.open(url) as cat:
         assert count(cat, "chunks") == before
         assert acquire_lock(cat, "gc", "someone else", 600)
-    one_line_error(kvc("gc", "--max-age", "0", env=home.env), 1)
-    with Catalog.open(home.catalog_url) as cat:
+    one_line_error(kvc("gc", "--max-age", "0", env=env), 1)
+    with Catalog.open(url) as cat:
         release_lock(cat, "gc", "someone else")
-    out = kvc("gc", "--max-age", "0", "--json", env=home.env)
+    out = kvc("gc", "--max-age", "0", "--json", env=env)
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["retention"]["result"]["chunks_removed"] == 4
     assert len(doc["retention"]["result"]["blobs_deleted"]) == 4
-    assert not any(home.blob_path(k).exists() for k in keys)
-    with Catalog.open(home.catalog_url) as cat:
+    assert not any(blob_path(k).exists() for k in keys)
+    with Catalog.open(url) as cat:
         assert count(cat, "chunks") == 0 and count(cat, "replicas") == 0
         assert lock_holder(cat, "gc") is None
