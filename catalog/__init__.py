@@ -8,6 +8,7 @@ from catalog.errors import (
     IdentityError,
     NotFoundError,
     PublishError,
+    PurgeInProgressError,
     RefConflictError,
     SchemaVersionError,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "Match",
     "NotFoundError",
     "PublishError",
+    "PurgeInProgressError",
     "RefConflictError",
     "ReplicaReceipt",
     "SchemaVersionError",

@@ -22,6 +22,7 @@ from catalog.errors import (
     IdentityError,
     NotFoundError,
     PublishError,
+    PurgeInProgressError,
     RefConflictError,
 )
 from catalog.identity import (
@@ -289,159 +290,191 @@ class Catalog:
                 )
 
     def _record(self, records: Sequence[ChunkRecord], actor: str | None) -> PublishResult:
+        with self._write() as conn:
+            return self._record_in(conn, records, actor)
+
+    def _record_in(
+        self, conn: sa.Connection, records: Sequence[ChunkRecord], actor: str | None
+    ) -> PublishResult:
         now = utcnow()
         recorded = present = replicas_added = 0
         conflicts: list[Conflict] = []
-        with self._write() as conn:
-            ns_ids: dict[str, tuple[int, int]] = {}
-            for r in records:
-                if r.namespace not in ns_ids:
-                    ns = self._namespace(conn, r.namespace, create_chunk_size=DEFAULT_CHUNK_SIZE)
-                    assert ns is not None
-                    ns_ids[r.namespace] = ns
-                self._ensure_fingerprint(conn, r.fingerprint)
-            # Parents: the root, a node in this batch, or a catalogued node.
-            own = {r.prefix_hash: r for r in records}
-            needed = {
-                r.parent_hash for r in records if r.token_start > 0 and r.parent_hash not in own
-            }
-            known = self._prefix_rows(conn, needed | set(own))
-            for r in records:
-                chunk_size = ns_ids[r.namespace][1]
-                if r.token_start % chunk_size or len(r.tokens) > chunk_size:
-                    raise PublishError(
-                        f"chunk at token {r.token_start} with {len(r.tokens)} tokens does not fit "
-                        f"namespace {r.namespace!r}'s chunk size {chunk_size}"
-                    )
-                if r.token_start == 0:
-                    continue
-                parent = own.get(r.parent_hash) or known.get(r.parent_hash)
-                if parent is None:
-                    raise PublishError(
-                        f"parent prefix {r.parent_hash.hex()} of chunk {r.prefix_hash.hex()} is not catalogued"
-                    )
-                p_start, p_count = (
-                    (parent.token_start, len(parent.tokens))
-                    if isinstance(parent, ChunkRecord)
-                    else (parent.token_start, parent.token_count)
-                )
-                if p_start + p_count != r.token_start:
-                    raise PublishError(
-                        f"chunk {r.prefix_hash.hex()} starts at token {r.token_start} but its parent ends at {p_start + p_count}"
-                    )
-            # Insert in key order so concurrent publishers lock rows in the same order.
-            new_prefixes = [
-                r
-                for r in sorted(own.values(), key=lambda r: r.prefix_hash)
-                if r.prefix_hash not in known
-            ]
-            if new_prefixes:
-                conn.execute(
-                    self._insert(conn, PrefixNode).on_conflict_do_nothing(
-                        index_elements=["prefix_hash"]
-                    ),
-                    [
-                        {
-                            "prefix_hash": r.prefix_hash,
-                            "namespace_id": ns_ids[r.namespace][0],
-                            "parent_hash": r.parent_hash,
-                            "token_start": r.token_start,
-                            "token_count": len(r.tokens),
-                            "tokens_be": tokens_to_be(r.tokens),
-                            "tokens_head": tokens_to_be(r.tokens[:HEAD_TOKENS]),
-                            "depth": r.token_start // ns_ids[r.namespace][1],
-                            "quarantined": False,
-                            "quarantine_reason": None,
-                            "created_at": now,
-                        }
-                        for r in new_prefixes
-                    ],
-                )
-            quarantined = self._quarantined(conn, list(own))
-            if quarantined:
+        ns_ids: dict[str, tuple[int, int]] = {}
+        for r in records:
+            if r.namespace not in ns_ids:
+                ns = self._namespace(conn, r.namespace, create_chunk_size=DEFAULT_CHUNK_SIZE)
+                assert ns is not None
+                ns_ids[r.namespace] = ns
+            self._ensure_fingerprint(conn, r.fingerprint)
+        # Parents: the root, a node in this batch, or a catalogued node.
+        own = {r.prefix_hash: r for r in records}
+        needed = {r.parent_hash for r in records if r.token_start > 0 and r.parent_hash not in own}
+        known = self._prefix_rows(conn, needed | set(own))
+        for r in records:
+            chunk_size = ns_ids[r.namespace][1]
+            if r.token_start % chunk_size or len(r.tokens) > chunk_size:
                 raise PublishError(
-                    f"prefix {sorted(quarantined)[0].hex()} is quarantined; refusing to publish under it"
+                    f"chunk at token {r.token_start} with {len(r.tokens)} tokens does not fit "
+                    f"namespace {r.namespace!r}'s chunk size {chunk_size}"
                 )
-            # Chunks, replicas and stores in a fixed number of statements per batch.
-            before = self._chunk_keys(conn, records)
-            fresh: dict[tuple[Any, ...], ChunkRecord] = {}
-            for r in records:
-                if _ident(r) not in before:
-                    fresh.setdefault(_ident(r), r)
-            if fresh:
-                conn.execute(
-                    self._insert(conn, Chunk).on_conflict_do_nothing(),
-                    [
-                        {
-                            "fingerprint": r.fingerprint.hex,
-                            "prefix_hash": r.prefix_hash,
-                            "layer_lo": r.shard.layer_lo,
-                            "layer_hi": r.shard.layer_hi,
-                            "head_lo": r.shard.head_lo,
-                            "head_hi": r.shard.head_hi,
-                            "blob_key": r.blob_key,
-                            "codec": r.codec,
-                            "stored_bytes": r.stored_bytes,
-                            "kv_bytes": r.kv_bytes,
-                            "state": "ready",
-                            "created_at": now,
-                            "last_seen_at": now,
-                            "last_access_at": None,
-                            "access_count": 0,
-                        }
-                        for _, r in sorted(fresh.items(), key=lambda kv: kv[1].prefix_hash)
-                    ],
+            if r.token_start == 0:
+                continue
+            parent = own.get(r.parent_hash) or known.get(r.parent_hash)
+            if parent is None:
+                raise PublishError(
+                    f"parent prefix {r.parent_hash.hex()} of chunk {r.prefix_hash.hex()} is not catalogued"
                 )
-            after = self._chunk_keys(conn, records) if fresh else before
-            kept_records: list[ChunkRecord] = []
-            seen_ids: list[int] = []
-            for r in records:
-                chunk_id, kept = after[_ident(r)]
-                if kept != r.blob_key:
-                    s = r.shard
-                    conflicts.append(Conflict(r.prefix_hash, kept, r.blob_key))
-                    self._event(
-                        conn,
-                        "conflict",
-                        r.namespace,
-                        r.prefix_hash.hex(),
-                        actor,
-                        {
-                            "fingerprint": r.fingerprint.hex,
-                            "kept": kept,
-                            "rejected": r.blob_key,
-                            "shard": [s.layer_lo, s.layer_hi, s.head_lo, s.head_hi],
-                        },
-                    )
-                    continue  # the rejected bytes get no replica rows
-                kept_records.append(r)
-                if _ident(r) in before:
-                    present += 1
-                    seen_ids.append(chunk_id)
-                else:
-                    recorded += 1
-            if seen_ids:
-                conn.execute(
-                    sa.update(Chunk).where(Chunk.id.in_(seen_ids)).values(last_seen_at=now)
-                )
-            replicas_added = self._add_replicas(
-                conn, [(r.blob_key, rc) for r in kept_records for rc in r.receipts], now
+            p_start, p_count = (
+                (parent.token_start, len(parent.tokens))
+                if isinstance(parent, ChunkRecord)
+                else (parent.token_start, parent.token_count)
             )
-            self._event(
-                conn,
-                "publish",
-                records[0].namespace,
-                records[-1].prefix_hash.hex(),
-                actor,
-                {
-                    "chunks": len(records),
-                    "recorded": recorded,
-                    "already_present": present,
-                    "conflicts": len(conflicts),
-                    "fingerprint": records[0].fingerprint.hex,
-                },
+            if p_start + p_count != r.token_start:
+                raise PublishError(
+                    f"chunk {r.prefix_hash.hex()} starts at token {r.token_start} but its parent ends at {p_start + p_count}"
+                )
+        # Insert in key order so concurrent publishers lock rows in the same order.
+        new_prefixes = [
+            r
+            for r in sorted(own.values(), key=lambda r: r.prefix_hash)
+            if r.prefix_hash not in known
+        ]
+        if new_prefixes:
+            conn.execute(
+                self._insert(conn, PrefixNode).on_conflict_do_nothing(
+                    index_elements=["prefix_hash"]
+                ),
+                [
+                    {
+                        "prefix_hash": r.prefix_hash,
+                        "namespace_id": ns_ids[r.namespace][0],
+                        "parent_hash": r.parent_hash,
+                        "token_start": r.token_start,
+                        "token_count": len(r.tokens),
+                        "tokens_be": tokens_to_be(r.tokens),
+                        "tokens_head": tokens_to_be(r.tokens[:HEAD_TOKENS]),
+                        "depth": r.token_start // ns_ids[r.namespace][1],
+                        "quarantined": False,
+                        "quarantine_reason": None,
+                        "created_at": now,
+                    }
+                    for r in new_prefixes
+                ],
             )
+        # Hold the catalogued nodes this batch extends or re-records: a GC that
+        # marked them first makes this publish retry; one that comes later sees it.
+        self._hold(
+            conn,
+            {r.parent_hash for r in records if r.parent_hash in known}
+            | {h for h in own if h in known},
+            "that this publish extends or re-records",
+        )
+        quarantined = self._quarantined(conn, list(own))
+        if quarantined:
+            raise PublishError(
+                f"prefix {sorted(quarantined)[0].hex()} is quarantined; refusing to publish under it"
+            )
+        # Chunks, replicas and stores in a fixed number of statements per batch.
+        before = self._chunk_keys(conn, records)
+        fresh: dict[tuple[Any, ...], ChunkRecord] = {}
+        for r in records:
+            if _ident(r) not in before:
+                fresh.setdefault(_ident(r), r)
+        if fresh:
+            conn.execute(
+                self._insert(conn, Chunk).on_conflict_do_nothing(),
+                [
+                    {
+                        "fingerprint": r.fingerprint.hex,
+                        "prefix_hash": r.prefix_hash,
+                        "layer_lo": r.shard.layer_lo,
+                        "layer_hi": r.shard.layer_hi,
+                        "head_lo": r.shard.head_lo,
+                        "head_hi": r.shard.head_hi,
+                        "blob_key": r.blob_key,
+                        "codec": r.codec,
+                        "stored_bytes": r.stored_bytes,
+                        "kv_bytes": r.kv_bytes,
+                        "state": "ready",
+                        "created_at": now,
+                        "last_seen_at": now,
+                        "last_access_at": None,
+                        "access_count": 0,
+                    }
+                    for _, r in sorted(fresh.items(), key=lambda kv: kv[1].prefix_hash)
+                ],
+            )
+        after = self._chunk_keys(conn, records) if fresh else before
+        kept_records: list[ChunkRecord] = []
+        seen_ids: list[int] = []
+        for r in records:
+            chunk_id, kept = after[_ident(r)]
+            if kept != r.blob_key:
+                s = r.shard
+                conflicts.append(Conflict(r.prefix_hash, kept, r.blob_key))
+                self._event(
+                    conn,
+                    "conflict",
+                    r.namespace,
+                    r.prefix_hash.hex(),
+                    actor,
+                    {
+                        "fingerprint": r.fingerprint.hex,
+                        "kept": kept,
+                        "rejected": r.blob_key,
+                        "shard": [s.layer_lo, s.layer_hi, s.head_lo, s.head_hi],
+                    },
+                )
+                continue  # the rejected bytes get no replica rows
+            kept_records.append(r)
+            if _ident(r) in before:
+                present += 1
+                seen_ids.append(chunk_id)
+            else:
+                recorded += 1
+        if seen_ids:
+            conn.execute(sa.update(Chunk).where(Chunk.id.in_(seen_ids)).values(last_seen_at=now))
+        replicas_added = self._add_replicas(
+            conn, [(r.blob_key, rc) for r in kept_records for rc in r.receipts], now
+        )
+        self._event(
+            conn,
+            "publish",
+            records[0].namespace,
+            records[-1].prefix_hash.hex(),
+            actor,
+            {
+                "chunks": len(records),
+                "recorded": recorded,
+                "already_present": present,
+                "conflicts": len(conflicts),
+                "fingerprint": records[0].fingerprint.hex,
+            },
+        )
         return PublishResult(recorded, present, replicas_added, tuple(conflicts))
+
+    def _hold(self, conn: sa.Connection, hashes: set[bytes], what: str) -> list[Any]:
+        """Lock the chunk rows of these prefix nodes and refuse if GC is purging any of them.
+
+        On PostgreSQL the rows are locked (`FOR UPDATE`, in id order, as GC locks
+        them) until the transaction ends; SQLite's single writer is exclusive anyway.
+        """
+        if not hashes:
+            return []
+        rows = conn.execute(
+            sa.select(Chunk.id, Chunk.prefix_hash, Chunk.state)
+            .where(Chunk.prefix_hash.in_(sorted(hashes)))
+            .order_by(Chunk.id)
+            .with_for_update()
+        ).all()
+        purging = tuple(sorted({r.prefix_hash for r in rows if r.state == "purging"}))
+        if purging:
+            raise PurgeInProgressError(
+                f"prefix {purging[0].hex()} {what} is being purged by GC; "
+                "nothing was changed: retry once the GC run finishes",
+                purging,
+            )
+        return list(rows)
 
     def _add_replicas(
         self, conn: sa.Connection, items: Sequence[tuple[str, Any]], now: datetime
@@ -482,6 +515,13 @@ class Catalog:
                 )
             )
         }
+        deleting = sorted(k for k, state in existing.items() if k in rows and state == "deleting")
+        if deleting:
+            key, loc = deleting[0]
+            raise PurgeInProgressError(
+                f"GC is deleting blob {key} at {loc}; nothing was changed: "
+                "put it again and retry once the GC run finishes"
+            )
         new = [v for k, v in sorted(rows.items()) if k not in existing]
         if new:
             conn.execute(
@@ -568,7 +608,12 @@ class Catalog:
             with self._write() as conn:
                 res = conn.execute(
                     sa.update(Replica)
-                    .where(Replica.blob_key == blob_key, Replica.location == location)
+                    .where(
+                        Replica.blob_key == blob_key,
+                        Replica.location == location,
+                        # GC owns a replica it is deleting; a reader that found it gone is not news.
+                        Replica.state != "deleting" if state != "deleting" else sa.true(),
+                    )
                     .values(state=state)
                 )
                 if res.rowcount != 1:
@@ -701,11 +746,22 @@ class Catalog:
 
         def run() -> bool:
             with self._write() as conn:
-                exists = conn.execute(
-                    sa.select(sa.func.count()).select_from(Chunk).where(Chunk.blob_key == blob_key)
-                ).scalar_one()
-                if not exists:
+                states = (
+                    conn.execute(
+                        sa.select(Chunk.state)
+                        .where(Chunk.blob_key == blob_key)
+                        .order_by(Chunk.id)
+                        .with_for_update()
+                    )
+                    .scalars()
+                    .all()
+                )
+                if not states:
                     raise NotFoundError(f"no catalogued chunk has blob key {blob_key}")
+                if "ready" not in states:
+                    raise PurgeInProgressError(
+                        f"the chunk with blob key {blob_key} is being purged by GC"
+                    )
                 added = self._add_replicas(conn, [(blob_key, receipt)], utcnow())
                 self._event(
                     conn,
@@ -733,6 +789,7 @@ class Catalog:
         with self.engine.connect() as conn:
             rows = conn.execute(
                 sa.select(Chunk.prefix_hash, Chunk.blob_key).where(
+                    Chunk.state == "ready",  # one GC is purging must be put again
                     Chunk.fingerprint == fp,
                     Chunk.prefix_hash.in_(list(prefix_hashes)),
                     Chunk.layer_lo == shard.layer_lo,
@@ -1044,6 +1101,7 @@ class Catalog:
         def run() -> RefInfo:
             with self._write() as conn:
                 ns_id, head = self._ref_head(conn, namespace, head_hash)
+                self._hold(conn, {head_hash}, "that the ref would name")
                 if (
                     conn.execute(
                         sa.select(FingerprintRow.hex).where(FingerprintRow.hex == fp_hex)
@@ -1161,6 +1219,7 @@ class Catalog:
         def run() -> RefInfo:
             with self._write() as conn:
                 ns_id, head = self._ref_head(conn, namespace, new_head)
+                self._hold(conn, {new_head}, "that the ref would name")
                 res = conn.execute(
                     sa.update(Ref)
                     .where(

@@ -25,3 +25,15 @@ class RefConflictError(CatalogError):
 
 class NotFoundError(CatalogError, LookupError):
     """No such namespace, ref, prefix or fingerprint (in this namespace)."""
+
+
+class PurgeInProgressError(CatalogError):
+    """A chunk this call relies on is being purged by GC: nothing was changed.
+
+    Retry once the GC run finishes (a publisher puts the bytes again and records
+    them anew; `restore.Checkpointer` does this by itself).
+    """
+
+    def __init__(self, message: str, prefixes: tuple[bytes, ...] = ()) -> None:
+        super().__init__(message)
+        self.prefixes = prefixes

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 GC_LOCK = "gc"
 _BATCH = 500  # keys per IN (...) list
 
-Reason = Literal["quarantined", "age", "bytes"]
+Reason = Literal["quarantined", "age", "bytes", "resumed"]
 # Called with (location, blob key); returns False (or raises) when it cannot delete there.
 DeleteBlob = Callable[[str, str], "bool | None"]
 
@@ -116,6 +116,9 @@ class GcItem:
     blob_key: str
     stored_bytes: int
     reason: Reason
+    # The chunk's last_seen_at when planned: a publish that re-records it in the
+    # meantime moves it, and applying the plan then spares the chunk.
+    last_seen_at: datetime | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -224,6 +227,8 @@ def _load(cat: Catalog, conn: sa.Connection, ns_id: int) -> dict[bytes, _Node]:
             Chunk.created_at,
             Chunk.last_access_at,
             Chunk.access_count,
+            Chunk.last_seen_at,
+            Chunk.state,
         )
         .join(PrefixNode, PrefixNode.prefix_hash == Chunk.prefix_hash)
         .where(PrefixNode.namespace_id == ns_id)
@@ -344,7 +349,15 @@ def plan_gc(
     for h, reason in purged.items():
         for c in nodes[h].chunks:
             plan.items.append(
-                GcItem(int(c.id), h, c.fingerprint, c.blob_key, int(c.stored_bytes), reason)
+                GcItem(
+                    int(c.id),
+                    h,
+                    c.fingerprint,
+                    c.blob_key,
+                    int(c.stored_bytes),
+                    reason,
+                    c.last_seen_at,
+                )
             )
     return plan
 
@@ -362,7 +375,10 @@ class GcResult:
     # Replicas whose bytes could not be deleted: left in state `deleting` for a later run.
     blobs_kept: list[tuple[str, str, str]] = field(default_factory=list)  # (location, key, why)
     shared_blobs: list[str] = field(default_factory=list)  # still used by a kept chunk
-    skipped_now_rooted: int = 0
+    # Planned chunks spared because, since planning, their node became a root, gained
+    # a kept child, or was re-recorded by a publish (or another GC purges them).
+    skipped: int = 0
+    resumed: int = 0  # chunks and replicas a previous, interrupted run left to finish
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -373,7 +389,8 @@ class GcResult:
                 {"location": loc, "blob_key": k, "reason": why} for loc, k, why in self.blobs_kept
             ],
             "shared_blobs": self.shared_blobs,
-            "skipped_now_rooted": self.skipped_now_rooted,
+            "skipped": self.skipped,
+            "resumed": self.resumed,
         }
 
 
@@ -395,71 +412,143 @@ def apply_gc(
     actor: str | None = "gc",
     progress: Callable[[int], object] | None = None,
 ) -> GcResult:
-    """Carry out a plan: mark its replicas `deleting`, delete their bytes, then drop the rows.
+    """Carry out a plan: mark its chunks `purging` and their replicas `deleting`, delete
+    the bytes, then drop the rows.
 
-    Run under the GC lock. Items whose node became a root since planning are skipped.
+    Run under the GC lock. Marking first locks the planned chunk rows (on PostgreSQL;
+    SQLite has one writer), the same rows a publish that extends or re-records them and
+    a ref move onto them lock, so the two are ordered: whatever committed first is seen
+    by the other. A publish or ref move that comes after the mark finds the chunks
+    `purging` and is refused (`PurgeInProgressError`, nothing changed; the publisher
+    retries after this run). The mark spares a planned node that has since become a
+    root, gained a child that stays, or been re-recorded, and with it its ancestors.
+
     A blob another kept chunk still names keeps its bytes and replicas (keys are
     content addressed). A replica whose bytes `delete_blob` could not delete stays,
-    marked `deleting`, so the bytes are never left without a row naming them.
+    marked `deleting`, so bytes are never left without a row naming them;
+    `resume_gc` (which `kvc gc` runs first) finishes it later.
     """
     result = GcResult()
     ns_name = plan.namespace
     items = list(plan.items)
 
-    # 1. Re-check roots and mark: chunks `purging`, their blobs' replicas `deleting`.
     def mark() -> tuple[list[GcItem], dict[str, list[str]]]:
         with cat._write() as conn:
             now = utcnow()
             ns = cat._namespace(conn, ns_name)
             if ns is None:
                 raise NotFoundError(f"no namespace {ns_name!r}")
+            # 1. Lock the planned rows, in id order (as publishers lock theirs).
+            state: dict[int, Any] = {}
+            for batch in _batches(sorted({i.chunk_id for i in items})):
+                for r in conn.execute(
+                    sa.select(Chunk.id, Chunk.state, Chunk.last_seen_at)
+                    .where(Chunk.id.in_(batch))
+                    .order_by(Chunk.id)
+                    .with_for_update()
+                ):
+                    state[int(r.id)] = r
+            # 2. Read the tree after the lock, and keep only what is still unneeded.
             nodes = _load(cat, conn, ns[0])
             protected, _ = _protected(cat, conn, ns[0], nodes, now)
-            live = [i for i in items if i.prefix_hash in nodes and i.prefix_hash not in protected]
-            result.skipped_now_rooted = len(items) - len(live)
+            planned: dict[bytes, dict[int, GcItem]] = {}
+            for i in items:
+                planned.setdefault(i.prefix_hash, {})[i.chunk_id] = i
+
+            def unchanged(h: bytes) -> bool:
+                n = nodes.get(h)
+                if n is None or h in protected:
+                    return False
+                for c in n.chunks:
+                    item = planned[h].get(int(c.id))
+                    now_row = state.get(int(c.id))
+                    if item is None or now_row is None or now_row.state != "ready":
+                        return False  # a chunk added since planning, or another GC's
+                    if item.last_seen_at is not None and now_row.last_seen_at != item.last_seen_at:
+                        return False  # re-recorded by a publish since planning
+                return True
+
+            keep = {h for h in planned if unchanged(h)}
+            children: dict[bytes, list[bytes]] = {}
+            for h, n in nodes.items():
+                children.setdefault(n.parent, []).append(h)
+            changed = True
+            while changed:  # a node goes only with its whole subtree
+                changed = False
+                for h in sorted(keep):
+                    if any(c not in keep for c in children.get(h, ())):
+                        keep.discard(h)
+                        changed = True
+            live = [i for i in items if i.prefix_hash in keep]
+            result.skipped = len(items) - len(live)
             ids = {i.chunk_id for i in live}
-            keys = sorted({i.blob_key for i in live})
-            shared: set[str] = set()
-            for batch in _batches(keys):
-                for k, cid in conn.execute(
-                    sa.select(Chunk.blob_key, Chunk.id).where(Chunk.blob_key.in_(batch))
-                ):
-                    if cid not in ids:
-                        shared.add(k)
-            result.shared_blobs = sorted(shared)
             for batch in _batches(sorted(ids)):
                 conn.execute(sa.update(Chunk).where(Chunk.id.in_(batch)).values(state="purging"))
-            doomed = [k for k in keys if k not in shared]
-            replicas: dict[str, list[str]] = {}
-            for batch in _batches(doomed):
-                conn.execute(
-                    sa.update(Replica).where(Replica.blob_key.in_(batch)).values(state="deleting")
-                )
-                for k, loc in conn.execute(
-                    sa.select(Replica.blob_key, Replica.location)
-                    .where(Replica.blob_key.in_(batch))
-                    .order_by(Replica.blob_key, Replica.location)
-                ):
-                    replicas.setdefault(k, []).append(loc)
-            _events(
-                conn,
-                [
-                    {
-                        "at": now,
-                        "kind": "replica.deleting",
-                        "namespace": ns_name,
-                        "subject": k,
-                        "actor": actor,
-                        "details": {"locations": locs, "reason": "gc"},
-                    }
-                    for k, locs in replicas.items()
-                ],
-            )
+            replicas = _mark_deleting(conn, live, ids, result, ns_name, actor, now)
             return live, replicas
 
     live, replicas = cat._retrying(mark)
+    _delete_and_drop(cat, ns_name, live, replicas, delete_blob, result, actor, progress)
+    return result
 
-    # 2. Delete bytes outside any transaction (slow, remote).
+
+def _mark_deleting(
+    conn: sa.Connection,
+    live: list[GcItem],
+    ids: set[int],
+    result: GcResult,
+    ns_name: str | None,
+    actor: str | None,
+    now: datetime,
+) -> dict[str, list[str]]:
+    """Mark the replicas of the purged chunks' blobs `deleting` (unless a kept chunk shares one)."""
+    keys = sorted({i.blob_key for i in live})
+    shared: set[str] = set()
+    for batch in _batches(keys):
+        for k, cid in conn.execute(
+            sa.select(Chunk.blob_key, Chunk.id).where(Chunk.blob_key.in_(batch))
+        ):
+            if cid not in ids:
+                shared.add(k)
+    result.shared_blobs = sorted(shared)
+    doomed = [k for k in keys if k not in shared]
+    replicas: dict[str, list[str]] = {}
+    for batch in _batches(doomed):
+        conn.execute(sa.update(Replica).where(Replica.blob_key.in_(batch)).values(state="deleting"))
+        for k, loc in conn.execute(
+            sa.select(Replica.blob_key, Replica.location)
+            .where(Replica.blob_key.in_(batch))
+            .order_by(Replica.blob_key, Replica.location)
+        ):
+            replicas.setdefault(k, []).append(loc)
+    _events(
+        conn,
+        [
+            {
+                "at": now,
+                "kind": "replica.deleting",
+                "namespace": ns_name,
+                "subject": k,
+                "actor": actor,
+                "details": {"locations": locs, "reason": "gc"},
+            }
+            for k, locs in replicas.items()
+        ],
+    )
+    return replicas
+
+
+def _delete_and_drop(
+    cat: Catalog,
+    ns_name: str | None,
+    live: list[GcItem],
+    replicas: dict[str, list[str]],
+    delete_blob: DeleteBlob,
+    result: GcResult,
+    actor: str | None,
+    progress: Callable[[int], object] | None,
+) -> None:
+    # Delete bytes outside any transaction (slow, remote).
     gone: list[tuple[str, str]] = []
     for key, locs in replicas.items():
         for loc in locs:
@@ -474,11 +563,10 @@ def apply_gc(
                 gone.append((loc, key))
             if progress is not None:
                 progress(1)
-    result.blobs_deleted = gone
-
-    # 3. Drop rows: deleted replicas, the chunks, and prefix nodes left empty and childless.
+    result.blobs_deleted += gone
     reason_of = {i.chunk_id: i for i in live}
 
+    # Drop rows: deleted replicas, the chunks, and prefix nodes left empty and childless.
     def drop() -> tuple[int, int]:
         with cat._write() as conn:
             now = utcnow()
@@ -489,7 +577,9 @@ def apply_gc(
                 for batch in _batches(ks):
                     conn.execute(
                         sa.delete(Replica).where(
-                            Replica.location == loc, Replica.blob_key.in_(batch)
+                            Replica.location == loc,
+                            Replica.blob_key.in_(batch),
+                            Replica.state == "deleting",
                         )
                     )
             removed = 0
@@ -565,9 +655,75 @@ def apply_gc(
                     "blobs_deleted": len(gone),
                     "blobs_kept": len(result.blobs_kept),
                     "shared_blobs": len(result.shared_blobs),
+                    "resumed": result.resumed,
                 },
             )
             return removed, prefixes
 
-    result.chunks_removed, result.prefixes_removed = cat._retrying(drop)
+    removed, prefixes = cat._retrying(drop)
+    result.chunks_removed += removed
+    result.prefixes_removed += prefixes
+
+
+def resume_gc(
+    cat: Catalog,
+    delete_blob: DeleteBlob,
+    *,
+    actor: str | None = "gc",
+    progress: Callable[[int], object] | None = None,
+) -> GcResult:
+    """Finish what an interrupted or partly failed GC left: chunks still `purging` and
+    replicas still `deleting` whose blob no ready chunk names. Run under the GC lock.
+
+    Until this runs, a publish of those chunks is refused with `PurgeInProgressError`
+    (its bytes would be deleted under it), so `kvc gc` runs it before anything else.
+    """
+    result = GcResult()
+
+    def mark() -> tuple[list[GcItem], dict[str, list[str]]]:
+        with cat._write() as conn:
+            now = utcnow()
+            live = [
+                GcItem(
+                    int(r.id),
+                    r.prefix_hash,
+                    r.fingerprint,
+                    r.blob_key,
+                    int(r.stored_bytes),
+                    "resumed",
+                )
+                for r in conn.execute(
+                    sa.select(
+                        Chunk.id,
+                        Chunk.prefix_hash,
+                        Chunk.fingerprint,
+                        Chunk.blob_key,
+                        Chunk.stored_bytes,
+                    )
+                    .where(Chunk.state == "purging")
+                    .order_by(Chunk.id)
+                    .with_for_update()
+                )
+            ]
+            ids = {i.chunk_id for i in live}
+            replicas = _mark_deleting(conn, live, ids, result, None, actor, now) if live else {}
+            ready = sa.select(Chunk.id).where(
+                Chunk.blob_key == Replica.blob_key, Chunk.state == "ready"
+            )
+            for k, loc in conn.execute(
+                sa.select(Replica.blob_key, Replica.location)
+                .where(Replica.state == "deleting", ~ready.exists())
+                .order_by(Replica.blob_key, Replica.location)
+            ):
+                if loc not in replicas.setdefault(k, []):
+                    replicas[k].append(loc)
+            result.resumed = len(live) + sum(len(v) for v in replicas.values())
+            return live, replicas
+
+    live, replicas = cat._retrying(mark)
+    if live or replicas:
+        log.info(
+            "gc: resuming %d purging chunk(s), %d blob(s) being deleted", len(live), len(replicas)
+        )
+        _delete_and_drop(cat, None, live, replicas, delete_blob, result, actor, progress)
     return result

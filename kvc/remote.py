@@ -17,6 +17,7 @@ from catalog.errors import (
     IdentityError,
     NotFoundError,
     PublishError,
+    PurgeInProgressError,
     RefConflictError,
 )
 from catalog.identity import Fingerprint, chain_root, fingerprint_hex, token_array
@@ -55,6 +56,7 @@ M = TypeVar("M", bound=BaseModel)
 
 _ERRORS: dict[str, type[CatalogError]] = {
     "PublishError": PublishError,
+    "PurgeInProgressError": PurgeInProgressError,
     "IdentityError": IdentityError,
     "CatalogError": CatalogError,
 }
@@ -156,6 +158,8 @@ class RemoteCatalog:
         if code == 404:
             raise NotFoundError(f"not found in namespace: {method} {path}")
         if code == 409:
+            if error == "PurgeInProgressError":
+                raise PurgeInProgressError(message)
             raise RefConflictError(message)
         if code == 401:
             raise CatalogError(f"the kvc service refused the token: {message}")

@@ -16,7 +16,7 @@ import numpy as np
 
 from catalog import Fingerprint, chain_root, prefix_hashes
 from catalog.catalog import Catalog
-from catalog.errors import NotFoundError
+from catalog.errors import NotFoundError, PurgeInProgressError
 from catalog.identity import token_array
 from catalog.models import ChunkRecord, ReplicaReceipt, Shard
 from chunkstore import ChunkStore, Receipt
@@ -56,6 +56,7 @@ class CheckpointResult:
     stored_bytes: int
     head: bytes | None
     seconds: dict[str, float] = field(default_factory=dict)
+    purge_retries: int = 0  # times it waited for a GC purging chunks it relied on
 
 
 @dataclass
@@ -93,8 +94,10 @@ class Checkpointer:
         max_queue: int = 8,
         staging_bytes: int = 512 << 20,
         actor: str | None = None,
+        purge_wait_s: float = 60.0,
     ) -> None:
         self.catalog = catalog
+        self.purge_wait_s = purge_wait_s
         self.store = store
         self.namespace = namespace
         self.write_behind = write_behind
@@ -174,6 +177,34 @@ class Checkpointer:
         return tok, shard
 
     def _publish(
+        self,
+        lease: Any,
+        tok: np.ndarray[Any, Any],
+        fp: Fingerprint,
+        shard: Shard,
+        name: str | None,
+        pending: int | None,
+    ) -> CheckpointResult:
+        """Publish, and if a concurrent GC is purging a chunk this publish relies on,
+        wait for it to finish and publish again from the plan (the bytes GC deleted are
+        put again), for up to `purge_wait_s` seconds."""
+        deadline = time.monotonic() + self.purge_wait_s
+        delay = 0.05
+        retries = 0
+        while True:
+            try:
+                result = self._publish_once(lease, tok, fp, shard, name, pending)
+                result.purge_retries = retries
+                return result
+            except PurgeInProgressError as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.info("checkpoint waits for GC (%s); retrying in %.2f s", exc, delay)
+                time.sleep(delay)
+                delay = min(1.0, delay * 2)
+                retries += 1
+
+    def _publish_once(
         self,
         lease: Any,
         tok: np.ndarray[Any, Any],
@@ -295,12 +326,18 @@ class Checkpointer:
                 log.warning("write-behind upload of %s to %s failed: %s", key, target.name, exc)
                 self.dropped["write_behind_failed"] += 1
                 return
-            self.catalog.record_replica(
-                key,
-                to_replica_receipt(receipt, store_tier(target)),
-                namespace=self.namespace,
-                actor=self.actor,
-            )
+            try:
+                self.catalog.record_replica(
+                    key,
+                    to_replica_receipt(receipt, store_tier(target)),
+                    namespace=self.namespace,
+                    actor=self.actor,
+                )
+            except (PurgeInProgressError, NotFoundError) as exc:
+                # GC purged the chunk while it was uploading: the uploaded bytes are an
+                # orphan that a later GC deletes once past its grace period.
+                log.warning("write-behind replica of %s not recorded: %s", key, exc)
+                self.dropped["write_behind_purged"] += 1
 
         with self._lock:
             self._upload_futures.append(self._uploads.submit(upload))

@@ -224,7 +224,7 @@ def test_apply_skips_what_became_a_root_since_planning(
     plan = plan_gc(cat, NS, max_age_s=0, max_bytes=None, now=NOW)
     cat.create_ref(NS, "late", FP, tree["b3"])
     result = apply_gc(cat, plan, lambda loc, key: True)
-    assert result.skipped_now_rooted == 3  # b3, b2, a1 are now a lineage
+    assert result.skipped == 3  # b3, b2, a1 are now a lineage
     assert count(cat, "chunks") == 3
 
 

@@ -293,15 +293,40 @@ def _retention(
     now: datetime,
 ) -> tuple[dict[str, Any], list[str]]:
     """Plan (and unless --dry-run apply) the catalog-side purge of the settings' namespace."""
-    from catalog.gc import apply_gc, plan_gc
+    from catalog.gc import apply_gc, plan_gc, resume_gc
     from chunkstore.errors import BlobNotFoundError
 
+    by_name = {s.name: s for s in stores}
+
+    def delete_blob(location: str, key: str) -> bool:
+        store = by_name.get(location)
+        if store is None:
+            return False  # another store or a worker's pool: not ours to reach
+        with contextlib.suppress(BlobNotFoundError):  # already gone is what we wanted
+            store.delete(key)
+        return True
+
+    lines: list[str] = []
+    resumed: dict[str, Any] | None = None
+    if not dry_run:
+        # First finish what an interrupted run left `purging`/`deleting` (publishes of
+        # those chunks are refused until it is done).
+        with _progress(as_json, None, "gc resume") as bar:
+            res = resume_gc(cat, delete_blob, actor="kvc gc", progress=bar.update)
+        resumed = res.to_json()
+        if res.resumed:
+            lines.append(
+                f"finished an earlier run: {res.chunks_removed} chunk(s) purged, "
+                f"{len(res.blobs_deleted)} blob(s) deleted"
+            )
+        lines += [f"kept bytes {k} at {loc}: {why}" for loc, k, why in res.blobs_kept]
     if cat.namespace_chunk_size(settings.namespace) is None:
-        return {"namespace": settings.namespace, "items": []}, []
+        return {"namespace": settings.namespace, "items": [], "resumed": resumed}, lines
     plan = plan_gc(cat, settings.namespace, max_age_s=max_age, max_bytes=max_bytes, now=now)
     doc = plan.to_json()
+    doc["resumed"] = resumed
     verb = "would purge" if dry_run else "purged"
-    lines = [
+    lines += [
         f"{verb} chunk {i.prefix_hash.hex()[:16]} {i.blob_key[:16]} ({i.reason})"
         for i in plan.items
     ]
@@ -309,16 +334,6 @@ def _retention(
         f"kept quarantined {h.hex()[:16]}: a ref or demand needs it" for h in plan.kept_quarantined
     ]
     if not dry_run and plan.items:
-        by_name = {s.name: s for s in stores}
-
-        def delete_blob(location: str, key: str) -> bool:
-            store = by_name.get(location)
-            if store is None:
-                return False  # another store or a worker's pool: not ours to reach
-            with contextlib.suppress(BlobNotFoundError):  # already gone is what we wanted
-                store.delete(key)
-            return True
-
         with _progress(as_json, None, "gc purge") as bar:
             result = apply_gc(cat, plan, delete_blob, actor="kvc gc", progress=bar.update)
         doc["result"] = result.to_json()
