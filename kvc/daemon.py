@@ -12,11 +12,17 @@ first withdraws every resident replica the catalog still credits it with
 `POST /v1/prefill` computes KV with the in-tree reference decoder: it is the
 reference-engine hook that lets tests and the demo drive a daemon without a
 real engine, and it answers 409 for any other fingerprint.
+
+A quarantine records `invalidate` events addressed to the workers holding the
+quarantined chunks (ARCHITECTURE 9). A background timer applies the ones
+addressed to this worker every `invalidation_interval` seconds, so the
+affected routes leave the pool without anyone calling `refresh`.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import Counter, deque
 from collections.abc import Iterator, Mapping, Sequence
@@ -61,6 +67,10 @@ log = logging.getLogger(__name__)
 
 MAX_TOKENS = 1 << 20
 REFERENCE = "reference"
+DEFAULT_INVALIDATION_INTERVAL = 2.0
+# How long close() waits for a timer tick stuck in a catalog call; the thread is a
+# daemon thread, so one that outlives the wait cannot keep the process alive.
+_TIMER_JOIN_SECONDS = 10.0
 
 Token = Annotated[StrictInt, Field(ge=0, le=0xFFFFFFFF)]
 Tokens = Annotated[list[Token], Field(min_length=1, max_length=MAX_TOKENS)]
@@ -122,7 +132,9 @@ class Daemon:
     `stores[0]` takes checkpoints synchronously; an object store after it gets
     write-behind uploads; restores read from all of them. `engines` are the
     reference models `prefill` may use (default: `ReferenceModel.small(0)`,
-    built on first use).
+    built on first use). Every `invalidation_interval` seconds (0: never) a
+    daemon thread applies quarantine invalidations (`apply_invalidations`) and
+    withdraws the resident replicas of the routes it dropped; `close` stops it.
     """
 
     def __init__(
@@ -136,6 +148,7 @@ class Daemon:
         page_size: int = 16,
         engines: Sequence[ReferenceModel] | None = None,
         max_pool_bytes: int = 8 << 30,
+        invalidation_interval: float = DEFAULT_INVALIDATION_INTERVAL,
     ) -> None:
         if not isinstance(worker_id, str) or not worker_id.strip():
             raise ValueError("worker_id must be a non-empty string")
@@ -143,6 +156,16 @@ class Daemon:
             raise ValueError("a daemon needs at least one store to checkpoint into")
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+        if (
+            isinstance(invalidation_interval, bool)
+            or not isinstance(invalidation_interval, int | float)
+            or not math.isfinite(invalidation_interval)
+            or invalidation_interval < 0
+        ):
+            raise ValueError(
+                "invalidation_interval must be a finite number of seconds >= 0 (0 disables "
+                f"the timer), got {invalidation_interval!r}"
+            )
         self.catalog = catalog
         self.worker_id = worker_id
         self.location = f"worker:{worker_id}"
@@ -171,9 +194,23 @@ class Daemon:
         # route -> {blob key: stored bytes} of the chunks that route holds whole.
         self._held: dict[int, dict[str, int]] = {}
         self._invalidated_seq = 0  # last `invalidate` event applied
+        # The timer and `refresh` both move the event cursor: one reader at a time.
+        self._invalidation_lock = threading.Lock()
+        self._last_invalidation_check: datetime | None = None
         self._counts: Counter[str] = Counter()
         self._errors: deque[dict[str, Any]] = deque(maxlen=10)
         self._closed = False
+        self.invalidation_interval = float(invalidation_interval)
+        self._stop = threading.Event()
+        self._withdraw_pending = False  # touched by the timer thread only
+        self._timer: threading.Thread | None = None
+        if self.invalidation_interval > 0:
+            self._timer = threading.Thread(
+                target=self._run_timer,
+                name=f"kvc-daemon-invalidations[{self.location}]",
+                daemon=True,
+            )
+            self._timer.start()
 
     @property
     def pool(self) -> PagePool | None:
@@ -207,37 +244,85 @@ class Daemon:
 
         Quarantine records one `invalidate` event per replica (ARCHITECTURE 9);
         the events addressed to this worker's location are read in order from
-        the last one applied. Returns how many routes were released.
+        the last one applied. Returns how many routes were released. The
+        background timer calls this; so does `refresh`.
         """
-        events = self.catalog.events(
-            kind="invalidate", since_seq=self._invalidated_seq, limit=10_000
-        )
-        bad: set[str] = set()
-        for e in events:
-            self._invalidated_seq = max(self._invalidated_seq, e.seq)
-            if e.details.get("location") == self.location and e.subject:
-                bad.add(e.subject)
-        if not bad:
-            return 0
-        dropped = 0
-        with self._lock:
-            pool = self._pool
-            if pool is not None:
-                for route, held in list(self._held.items()):
-                    if bad & held.keys() and route in pool.routes():
-                        pool.release(route)
-                        del self._held[route]
-                        dropped += 1
-        self._counts["invalidated_routes"] += dropped
-        log.info("dropped %d route(s) holding %d invalidated blob(s)", dropped, len(bad))
+        with self._invalidation_lock:
+            events = self.catalog.events(
+                kind="invalidate", since_seq=self._invalidated_seq, limit=10_000
+            )
+            bad: set[str] = set()
+            seen = self._invalidated_seq
+            for e in events:
+                seen = max(seen, e.seq)
+                if e.details.get("location") == self.location and e.subject:
+                    bad.add(e.subject)
+            dropped = 0
+            # The same lock as every other pool/route change: a request never sees
+            # a route half-dropped, and a dropped route is never re-held.
+            with self._lock:
+                pool = self._pool
+                if bad and pool is not None:
+                    for route, held in list(self._held.items()):
+                        if bad & held.keys() and route in pool.routes():
+                            pool.release(route)
+                            del self._held[route]
+                            dropped += 1
+                self._counts["invalidated_routes"] += dropped
+                self._counts["invalidation_checks"] += 1
+                self._last_invalidation_check = _now()
+            # Only now: a drop that raised is read again next time.
+            self._invalidated_seq = seen
+        if bad:
+            log.info("dropped %d route(s) holding %d invalidated blob(s)", dropped, len(bad))
         return dropped
 
+    def _run_timer(self) -> None:
+        while not self._stop.wait(self.invalidation_interval):
+            self._tick()
+
+    def _tick(self) -> None:
+        """One timer round: apply invalidations, withdraw what they dropped; never raises."""
+        if self._closed:
+            return
+        try:
+            # A withdrawal that failed after its routes were dropped is retried on
+            # the next tick, though that tick may drop nothing new.
+            self._withdraw_pending = self.apply_invalidations() > 0 or self._withdraw_pending
+            if self._withdraw_pending:
+                self._sync(advertise=True)
+                self._withdraw_pending = False
+        except Exception as exc:
+            # The class name only: a driver's message may carry a URL or a user name,
+            # and the next tick retries from the same event cursor anyway.
+            with self._lock:
+                self._counts["invalidation_failures"] += 1
+            log.warning(
+                "invalidation check on %s failed (%s); retrying in %gs",
+                self.location,
+                exc.__class__.__name__,
+                self.invalidation_interval,
+            )
+
     def close(self) -> None:
-        """Release the pool, withdraw its resident replicas, drain write-behind uploads."""
+        """Stop the invalidation timer, release the pool, withdraw its resident replicas,
+        drain write-behind uploads."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+        self._stop.set()
+        timer = self._timer
+        if timer is not None and timer is not threading.current_thread():
+            timer.join(_TIMER_JOIN_SECONDS)
+            if timer.is_alive():
+                log.warning(
+                    "the invalidation timer of %s is still in a catalog call after %gs; "
+                    "closing without it",
+                    self.location,
+                    _TIMER_JOIN_SECONDS,
+                )
+        with self._lock:
             self._pool = None
             self._fingerprint = None
             self._held.clear()
@@ -415,6 +500,13 @@ class Daemon:
                 "routes": {} if pool is None else {r: pool.length(r) for r in pool.routes()},
                 "resident_chunks": len({k for held in self._held.values() for k in held}),
                 "last_errors": list(self._errors),
+                "invalidation_interval": self.invalidation_interval,
+                "invalidation_timer": self._timer is not None and self._timer.is_alive(),
+                "last_invalidation_check": (
+                    None
+                    if self._last_invalidation_check is None
+                    else self._last_invalidation_check.isoformat()
+                ),
             }
             for key in (
                 "configures",
@@ -424,6 +516,9 @@ class Daemon:
                 "restore_misses",
                 "restored_tokens",
                 "restored_bytes",
+                "invalidation_checks",
+                "invalidation_failures",
+                "invalidated_routes",
             ):
                 doc[key] = self._counts[key]
             doc["checkpoints_dropped"] = dict(self._checkpointer.dropped)

@@ -45,6 +45,13 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8707, ge=1, le=65535)
     daemon_port: int = Field(default=8708, ge=1, le=65535)
+    daemon_invalidation_interval: float = Field(
+        default=2.0,
+        ge=0,
+        le=86400,
+        allow_inf_nan=False,
+        description="seconds between the daemon's quarantine-invalidation checks; 0 disables",
+    )
     worker_id: str | None = None
     service_url: str | None = Field(
         default=None, description="use a kvc service instead of a database"

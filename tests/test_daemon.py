@@ -1,15 +1,19 @@
-"""The checkpoint/restore daemon: two workers on one catalog, resident replicas, reconcile, HTTP errors."""
+"""The checkpoint/restore daemon: two workers on one catalog, resident replicas, reconcile, HTTP errors, timers."""
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import click
 import numpy as np
 import pytest
+import uvicorn
 from click.testing import CliRunner
 
 from catalog import Fingerprint
@@ -32,6 +36,12 @@ PROMPT = np.random.default_rng(7).integers(0, MODEL.vocab_size, 3 * CHUNK + 9).t
 Worker = tuple[Daemon, TestClient]
 
 
+class Start(Protocol):
+    def __call__(
+        self, worker_id: str, *, invalidation_interval: float = 0.0, catalog: Any = None
+    ) -> Worker: ...
+
+
 @pytest.fixture
 def cat(tmp_path: Path) -> Iterator[Catalog]:
     c = Catalog.open(f"sqlite:///{tmp_path / 'catalog.db'}", upgrade=True)
@@ -47,19 +57,24 @@ def store(tmp_path: Path) -> Iterator[ChunkStore]:
 
 
 @pytest.fixture
-def worker(cat: Catalog, store: ChunkStore) -> Iterator[Callable[[str], Worker]]:
-    """Start daemons on the shared catalog and store; each is closed at the end of the test."""
+def worker(cat: Catalog, store: ChunkStore) -> Iterator[Start]:
+    """Start daemons on the shared catalog and store; each is closed at the end of the test.
+
+    The invalidation timer is off unless a test asks for it, so the tests that
+    call refresh see the invalidations themselves.
+    """
     started: list[Daemon] = []
 
-    def start(worker_id: str) -> Worker:
+    def start(worker_id: str, *, invalidation_interval: float = 0.0, catalog: Any = None) -> Worker:
         d = Daemon(
-            cat,
+            cat if catalog is None else catalog,
             [store],
             worker_id=worker_id,
             namespace="ns",
             chunk_size=CHUNK,
             page_size=16,
             engines=[MODEL],
+            invalidation_interval=invalidation_interval,
         )
         started.append(d)
         d.reconcile()
@@ -70,8 +85,8 @@ def worker(cat: Catalog, store: ChunkStore) -> Iterator[Callable[[str], Worker]]
         d.close()
 
 
-def configured(start: Callable[[str], Worker], worker_id: str) -> Worker:
-    d, client = start(worker_id)
+def configured(start: Callable[..., Worker], worker_id: str, **options: Any) -> Worker:
+    d, client = start(worker_id, **options)
     r = client.post("/v1/configure", json={"fingerprint": "reference", "num_pages": 64})
     assert r.status_code == 200, r.text
     assert r.json()["fingerprint"] == MODEL.fingerprint.hex
@@ -314,7 +329,14 @@ def test_cli_help_shows_an_example() -> None:
     result = CliRunner().invoke(group, ["daemon", "--help"])
     assert result.exit_code == 0, result.output
     assert "Example: kvc daemon" in result.output
-    for option in ("--host", "--port", "--worker-id", "--catalog", "--store"):
+    for option in (
+        "--host",
+        "--port",
+        "--worker-id",
+        "--invalidation-interval",
+        "--catalog",
+        "--store",
+    ):
         assert option in result.output
 
 
@@ -334,3 +356,156 @@ def test_quarantine_invalidations_drop_the_routes_holding_those_blobs(
     assert cp["route"] not in pool_of(a).routes()
     assert cat.replicas_at("worker:A") == []  # and its resident placements withdrawn
     assert a.apply_invalidations() == 0  # applied once
+
+
+# -- the invalidation timer ------------------------------------------------------------------
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"still waiting after {timeout}s for {what}")
+        time.sleep(0.01)
+
+
+def timer_threads(worker_id: str) -> list[threading.Thread]:
+    name = f"kvc-daemon-invalidations[worker:{worker_id}]"
+    return [t for t in threading.enumerate() if t.name == name]
+
+
+def quarantine_second_chunk(cat: Catalog) -> None:
+    match = cat.lookup("ns", MODEL.fingerprint, [*PROMPT, 0])
+    directives = cat.quarantine("ns", match.chunks[1].prefix_hash, "bad kernel")
+    assert any(d.location == "worker:A" for d in directives)
+
+
+def test_the_timer_drops_quarantined_routes_without_a_refresh(worker: Start, cat: Catalog) -> None:
+    a, client = configured(worker, "A", invalidation_interval=0.05)
+    cp = prefill_and_checkpoint(client, PROMPT)
+    other = client.post("/v1/prefill", json={"tokens": [1, 2, 3]}).json()["route"]
+    # The timer runs and, with nothing quarantined, leaves the routes alone.
+    wait_for(lambda: client.get("/v1/stats").json()["invalidation_checks"] >= 2, "two checks")
+    assert sorted(pool_of(a).routes()) == sorted([cp["route"], other])
+    assert len(cat.replicas_at("worker:A")) == 4
+
+    quarantine_second_chunk(cat)
+    wait_for(lambda: pool_of(a).routes() == [other], "the quarantined route to be dropped")
+    wait_for(lambda: cat.replicas_at("worker:A") == [], "its resident replicas to be withdrawn")
+    pool_of(a).check_invariants()
+    stats = client.get("/v1/stats").json()
+    assert stats["invalidated_routes"] == 1 and stats["invalidation_failures"] == 0
+    assert stats["invalidation_timer"] is True and stats["invalidation_interval"] == 0.05
+    assert stats["last_invalidation_check"] is not None
+    # The timer applied them: a refresh now has nothing left to drop.
+    assert client.post("/v1/refresh").json()["invalidated_routes"] == 0
+
+
+def test_interval_zero_starts_no_timer(worker: Start, cat: Catalog) -> None:
+    d, client = worker("Z", invalidation_interval=0)
+    assert timer_threads("Z") == []
+    stats = client.get("/v1/stats").json()
+    assert stats["invalidation_timer"] is False and stats["invalidation_interval"] == 0
+    assert stats["invalidation_checks"] == 0 and stats["last_invalidation_check"] is None
+    # Refresh still applies them, and that counts as a check.
+    assert d.refresh()["invalidated_routes"] == 0
+    stats = client.get("/v1/stats").json()
+    assert stats["invalidation_checks"] == 1 and stats["last_invalidation_check"] is not None
+
+
+@pytest.mark.parametrize("interval", [-1, float("nan"), float("inf"), True, "2"])
+def test_a_bad_interval_is_refused(cat: Catalog, store: ChunkStore, interval: Any) -> None:
+    with pytest.raises(ValueError, match="invalidation_interval"):
+        Daemon(cat, [store], worker_id="X", invalidation_interval=interval)
+    assert timer_threads("X") == []
+
+
+@pytest.mark.parametrize("interval", [0.01, 3600.0])
+def test_close_stops_the_timer(cat: Catalog, store: ChunkStore, interval: float) -> None:
+    # 3600 s: close must wake the timer, not wait out its interval.
+    d = Daemon(cat, [store], worker_id="C", invalidation_interval=interval)
+    try:
+        [timer] = timer_threads("C")
+        assert timer.daemon and timer.is_alive()
+    finally:
+        d.close()
+    assert not timer.is_alive()
+    assert timer_threads("C") == []
+    assert d.stats()["invalidation_timer"] is False
+    d.close()  # a second close is harmless
+
+
+class FlakyEvents:
+    """A catalog whose `events` fails while `failures` lasts, like a database gone for a moment."""
+
+    def __init__(self, inner: Catalog, failures: int) -> None:
+        self.inner = inner
+        self.failures = failures
+        self.lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def events(self, **kwargs: Any) -> Any:
+        with self.lock:
+            if self.failures > 0:
+                self.failures -= 1
+                raise ConnectionError("could not connect as kvc:hunter2@db.internal")
+        return self.inner.events(**kwargs)
+
+
+def test_a_failing_catalog_call_does_not_stop_the_timer(
+    worker: Start, cat: Catalog, caplog: pytest.LogCaptureFixture
+) -> None:
+    flaky = FlakyEvents(cat, failures=3)
+    caplog.set_level(logging.WARNING, logger="kvc.daemon")
+    a, client = configured(worker, "A", invalidation_interval=0.02, catalog=cast(Catalog, flaky))
+    wait_for(
+        lambda: client.get("/v1/stats").json()["invalidation_failures"] == 3, "three failed ticks"
+    )
+    cp = prefill_and_checkpoint(client, PROMPT)
+    quarantine_second_chunk(cat)
+    wait_for(lambda: cp["route"] not in pool_of(a).routes(), "the quarantined route to be dropped")
+
+    [timer] = timer_threads("A")
+    assert timer.is_alive()
+    stats = client.get("/v1/stats").json()
+    assert stats["invalidation_failures"] == 3 and stats["invalidated_routes"] == 1
+    failures = [r for r in caplog.records if "invalidation check" in r.getMessage()]
+    assert len(failures) == 3 and all(r.levelno == logging.WARNING for r in failures)
+    assert "ConnectionError" in failures[0].getMessage()
+    assert "hunter2" not in caplog.text
+
+
+def test_cli_sets_the_interval_from_flag_environment_and_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[Any] = []
+
+    def serve(app: Any, **kwargs: Any) -> None:
+        # Instead of serving: ask the app what its daemon runs with.
+        stats = TestClient(app).get("/v1/stats").json()
+        seen.append((stats["invalidation_interval"], stats["invalidation_timer"]))
+
+    monkeypatch.setattr(uvicorn, "run", serve)
+    group = click.Group("kvc")
+    register(group)
+    env = {"KVC_HOME": str(tmp_path / "home"), "KVC_CONFIG": str(tmp_path / "absent.toml")}
+    runner = CliRunner()
+    base = ["daemon", "--worker-id", "cli", "--json"]
+
+    result = runner.invoke(group, [*base, "--invalidation-interval", "0.5"], env=env)
+    assert result.exit_code == 0, result.output
+    env["KVC_DAEMON_INVALIDATION_INTERVAL"] = "0"
+    result = runner.invoke(group, base, env=env)
+    assert result.exit_code == 0, result.output
+    del env["KVC_DAEMON_INVALIDATION_INTERVAL"]
+    result = runner.invoke(group, base, env=env)
+    assert result.exit_code == 0, result.output
+    assert seen == [(0.5, True), (0.0, False), (2.0, True)]
+    assert timer_threads("cli") == []  # every run's timer stopped with it
+
+    result = runner.invoke(group, [*base, "--invalidation-interval", "-1"], env=env)
+    assert result.exit_code == 2
+    result = runner.invoke(group, base, env={**env, "KVC_DAEMON_INVALIDATION_INTERVAL": "nan"})
+    assert result.exit_code == 2 and "daemon_invalidation_interval" in result.output

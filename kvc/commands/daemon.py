@@ -37,8 +37,22 @@ from kvc.settings import Settings
     "default HOSTNAME-PID). Keep it stable across restarts so a restart withdraws "
     "what the previous process advertised.",
 )
+@click.option(
+    "--invalidation-interval",
+    type=click.FloatRange(0, 86400),
+    default=None,
+    metavar="SECONDS",
+    help="How often to apply quarantine invalidations addressed to this worker, dropping "
+    "the routes that hold quarantined chunks (env KVC_DAEMON_INVALIDATION_INTERVAL, "
+    "default 2; 0 disables: then only POST /v1/refresh applies them).",
+)
 def daemon(
-    settings: Settings, as_json: bool, host: str, port: int | None, worker_id: str | None
+    settings: Settings,
+    as_json: bool,
+    host: str,
+    port: int | None,
+    worker_id: str | None,
+    invalidation_interval: float | None,
 ) -> None:
     """Run the checkpoint/restore daemon beside an inference engine.
 
@@ -46,8 +60,9 @@ def daemon(
     fingerprint. It checkpoints routes into the first store, restores prompts
     from every store, and advertises the chunks its pool holds as resident
     replicas of worker:WORKER_ID. On start it withdraws the resident replicas
-    a previous process under the same worker id left behind. Endpoints: see
-    docs/daemon.md."""
+    a previous process under the same worker id left behind. Every
+    --invalidation-interval seconds it drops the routes holding chunks a
+    quarantine invalidated on this worker. Endpoints: see docs/daemon.md."""
     import uvicorn
 
     from kvc.daemon import Daemon, create_daemon_app
@@ -55,6 +70,11 @@ def daemon(
 
     worker = worker_id or settings.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     bind_port = port if port is not None else settings.daemon_port
+    interval = (
+        invalidation_interval
+        if invalidation_interval is not None
+        else settings.daemon_invalidation_interval
+    )
     stores = open_stores(settings)
     try:
         with open_catalog(settings, upgrade=settings.uses_embedded_default) as cat:
@@ -66,6 +86,7 @@ def daemon(
                     namespace=settings.namespace,
                     chunk_size=settings.chunk_size,
                     page_size=settings.page_size,
+                    invalidation_interval=interval,
                 )
             except (RestoreError, ValueError) as exc:
                 fail(str(exc), EXIT_USAGE)
@@ -78,9 +99,15 @@ def daemon(
                         "url": f"http://{host}:{bind_port}",
                         "namespace": settings.namespace,
                         "withdrawn": withdrawn,
+                        "invalidation_interval": interval,
                     },
                     f"kvc daemon: worker {worker} on http://{host}:{bind_port} "
-                    f"(namespace {settings.namespace}; withdrew {withdrawn} stale resident replicas)",
+                    f"(namespace {settings.namespace}; withdrew {withdrawn} stale resident replicas; "
+                    + (
+                        f"invalidations every {interval:g}s)"
+                        if interval > 0
+                        else "invalidations on /v1/refresh only)"
+                    ),
                 )
                 uvicorn.run(create_daemon_app(d), host=host, port=bind_port, log_level="info")
     finally:
