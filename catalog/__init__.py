@@ -6,6 +6,7 @@ from catalog.catalog import Catalog
 from catalog.errors import (
     CatalogError,
     IdentityError,
+    MissingParentError,
     NotFoundError,
     PublishError,
     PurgeInProgressError,
@@ -34,6 +35,7 @@ __all__ = [
     "Fingerprint",
     "IdentityError",
     "Match",
+    "MissingParentError",
     "NotFoundError",
     "PublishError",
     "PurgeInProgressError",

@@ -20,6 +20,7 @@ from catalog import database
 from catalog.errors import (
     CatalogError,
     IdentityError,
+    MissingParentError,
     NotFoundError,
     PublishError,
     PurgeInProgressError,
@@ -309,6 +310,10 @@ class Catalog:
         # Parents: the root, a node in this batch, or a catalogued node.
         own = {r.prefix_hash: r for r in records}
         needed = {r.parent_hash for r in records if r.token_start > 0 and r.parent_hash not in own}
+        # Hold the nodes this batch extends or re-records before reading them: a GC
+        # that marked them first makes this publish retry (PurgeInProgressError); one
+        # that comes later waits for this transaction and then sees its children.
+        self._hold(conn, needed | set(own), "that this publish extends or re-records")
         known = self._prefix_rows(conn, needed | set(own))
         for r in records:
             chunk_size = ns_ids[r.namespace][1]
@@ -321,7 +326,7 @@ class Catalog:
                 continue
             parent = own.get(r.parent_hash) or known.get(r.parent_hash)
             if parent is None:
-                raise PublishError(
+                raise MissingParentError(
                     f"parent prefix {r.parent_hash.hex()} of chunk {r.prefix_hash.hex()} is not catalogued"
                 )
             p_start, p_count = (
@@ -361,14 +366,6 @@ class Catalog:
                     for r in new_prefixes
                 ],
             )
-        # Hold the catalogued nodes this batch extends or re-records: a GC that
-        # marked them first makes this publish retry; one that comes later sees it.
-        self._hold(
-            conn,
-            {r.parent_hash for r in records if r.parent_hash in known}
-            | {h for h in own if h in known},
-            "that this publish extends or re-records",
-        )
         quarantined = self._quarantined(conn, list(own))
         if quarantined:
             raise PublishError(

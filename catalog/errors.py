@@ -19,6 +19,11 @@ class PublishError(CatalogError, ValueError):
     """A publish record is inconsistent or its parent is not catalogued; nothing was recorded."""
 
 
+class MissingParentError(PublishError):
+    """A record's parent prefix is not catalogued (perhaps purged since the publisher
+    planned): nothing was recorded; plan again and publish the parent too."""
+
+
 class RefConflictError(CatalogError):
     """A compare-and-swap on a ref lost: its head was not the expected one."""
 

@@ -234,7 +234,11 @@ def _load(cat: Catalog, conn: sa.Connection, ns_id: int) -> dict[bytes, _Node]:
         .where(PrefixNode.namespace_id == ns_id)
     )
     for r in rows:
-        n = nodes[r.prefix_hash]
+        n = nodes.get(r.prefix_hash)
+        if n is None:
+            # Published between the two reads (each statement sees the latest commit on
+            # PostgreSQL): too new for this plan, and not under any chunk the mark holds.
+            continue
         n.chunks.append(r)
         n.size += int(r.stored_bytes)
         n.uses += int(r.access_count or 0)

@@ -15,6 +15,7 @@ from catalog.catalog import DEFAULT_CHUNK_SIZE
 from catalog.errors import (
     CatalogError,
     IdentityError,
+    MissingParentError,
     NotFoundError,
     PublishError,
     PurgeInProgressError,
@@ -57,6 +58,7 @@ M = TypeVar("M", bound=BaseModel)
 _ERRORS: dict[str, type[CatalogError]] = {
     "PublishError": PublishError,
     "PurgeInProgressError": PurgeInProgressError,
+    "MissingParentError": MissingParentError,
     "IdentityError": IdentityError,
     "CatalogError": CatalogError,
 }

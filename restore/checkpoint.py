@@ -16,7 +16,7 @@ import numpy as np
 
 from catalog import Fingerprint, chain_root, prefix_hashes
 from catalog.catalog import Catalog
-from catalog.errors import NotFoundError, PurgeInProgressError
+from catalog.errors import MissingParentError, NotFoundError, PurgeInProgressError
 from catalog.identity import token_array
 from catalog.models import ChunkRecord, ReplicaReceipt, Shard
 from chunkstore import ChunkStore, Receipt
@@ -185,9 +185,9 @@ class Checkpointer:
         name: str | None,
         pending: int | None,
     ) -> CheckpointResult:
-        """Publish, and if a concurrent GC is purging a chunk this publish relies on,
-        wait for it to finish and publish again from the plan (the bytes GC deleted are
-        put again), for up to `purge_wait_s` seconds."""
+        """Publish, and if a concurrent GC is purging (or has purged) a chunk this
+        publish relies on, wait for it to finish and publish again from a new plan (the
+        bytes GC deleted are put again), for up to `purge_wait_s` seconds."""
         deadline = time.monotonic() + self.purge_wait_s
         delay = 0.05
         retries = 0
@@ -196,7 +196,9 @@ class Checkpointer:
                 result = self._publish_once(lease, tok, fp, shard, name, pending)
                 result.purge_retries = retries
                 return result
-            except PurgeInProgressError as exc:
+            except (PurgeInProgressError, MissingParentError) as exc:
+                # Either way the plan is stale: chunks it skipped are being (or were)
+                # purged. Plan again: those are put and recorded anew.
                 if time.monotonic() + delay > deadline:
                     raise
                 log.info("checkpoint waits for GC (%s); retrying in %.2f s", exc, delay)

@@ -1,0 +1,175 @@
+"""One process of the concurrency run (tests/test_concurrency.py): publishes, restores,
+ref moves or GC, against one shared catalog and store, until its deadline.
+
+Prints one JSON line: operation counts and every error by kind. Errors a caller of
+kvc must expect under concurrency (a lost ref compare-and-swap, a ref deleted by
+another worker, a ref onto a prefix GC is purging) are counted as `expected`; any
+other exception, and any restored position that differs from a fresh prefill, is
+`unexpected`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from catalog import Catalog
+from catalog.errors import NotFoundError, PurgeInProgressError, RefConflictError
+from chunkstore import open_store
+from restore.checkpoint import Checkpointer
+from restore.engines.reference import ReferenceModel
+from restore.pool import PagePool
+from restore.restore import Restorer
+
+NS = "default"
+CHUNK = 16
+MODEL = ReferenceModel.small(seed=0)
+EXPECTED = (RefConflictError, NotFoundError, PurgeInProgressError)
+
+
+def family(rng: np.random.Generator) -> list[int]:
+    """A prompt from a small family, so workers publish and restore overlapping prefixes:
+    a shared system prompt, one of four branches, one of three follow-ups, a cut."""
+    base = np.random.default_rng(7)
+    system = base.integers(0, MODEL.vocab_size, 40).tolist()
+    branches = [base.integers(0, MODEL.vocab_size, 24).tolist() for _ in range(4)]
+    follow = [base.integers(0, MODEL.vocab_size, 20).tolist() for _ in range(3)]
+    full = system + branches[int(rng.integers(4))] + follow[int(rng.integers(3))]
+    return full[: int(rng.integers(20, len(full) + 1))]
+
+
+def prefill(tokens: list[int]) -> tuple[PagePool, int]:
+    pool = PagePool(MODEL.layout, page_size=CHUNK, num_pages=16)
+    route = pool.new_route()
+    MODEL.prefill(pool, route, tokens)
+    return pool, route
+
+
+def gc_cli(args: dict[str, Any]) -> tuple[int, str]:
+    kvc = str(Path(sys.executable).parent / "kvc")
+    proc = subprocess.run(
+        [
+            kvc,
+            "gc",
+            "--catalog",
+            args["catalog"],
+            "--store",
+            args["store"],
+            "--max-age",
+            str(args["max_age_s"]),
+            "--grace",
+            str(args["grace_s"]),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if not k.startswith("KVC_")},
+    )
+    return proc.returncode, proc.stderr.strip()[-500:]
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    role, wid = args["role"], args["id"]
+    deadline = time.monotonic() + args["seconds"]
+    rng = np.random.default_rng(1000 + wid)
+    counts: Counter[str] = Counter()
+    unexpected: list[str] = []
+    cat = Catalog.open(args["catalog"])
+    store = open_store(args["store"])
+
+    def guard(op: str, fn: Any, *a: Any, **kw: Any) -> Any:
+        try:
+            out = fn(*a, **kw)
+            counts[op] += 1
+            return out
+        except EXPECTED as exc:
+            counts[f"expected.{op}.{type(exc).__name__}"] += 1
+        except Exception:
+            unexpected.append(f"{op}: {traceback.format_exc()[-1500:]}")
+        return None
+
+    ck = Checkpointer(cat, store, NS, CHUNK, actor=f"w{wid}", purge_wait_s=60)
+    restorer = Restorer(cat, [store], NS)
+    try:
+        while time.monotonic() < deadline and len(unexpected) < 5:
+            if role == "gc":
+                code, err = gc_cli(args)
+                if code == 0:
+                    counts["gc"] += 1
+                else:
+                    unexpected.append(f"kvc gc exited {code}: {err}")
+                time.sleep(args["gc_every_s"])
+                continue
+            if role == "refs":
+                refs = guard("list_refs", cat.list_refs, NS) or []
+                pick = int(rng.integers(4))
+                if pick == 0 and refs:
+                    src = refs[int(rng.integers(len(refs)))]
+                    guard("fork", cat.fork_ref, NS, src.name, f"fork-{wid}-{counts['fork']}")
+                elif pick == 1 and refs:
+                    victim = refs[int(rng.integers(len(refs)))]
+                    guard("delete_ref", cat.delete_ref, NS, victim.name)
+                elif pick == 2 and len(refs) >= 2:
+                    a, b = (refs[int(i)] for i in rng.choice(len(refs), 2, replace=False))
+                    guard(
+                        "move_ref",
+                        cat.update_ref,
+                        NS,
+                        a.name,
+                        expected_head=a.head_hash,
+                        new_head=b.head_hash,
+                    )
+                else:
+                    toks = family(rng)
+                    match = guard("lookup", cat.lookup, NS, MODEL.fingerprint, toks)
+                    if match is not None and match.chunks:
+                        head = match.chunks[-1].prefix_hash
+                        guard(
+                            "create_ref",
+                            cat.create_ref,
+                            NS,
+                            f"pin-{wid}-{counts['create_ref']}",
+                            MODEL.fingerprint,
+                            head,
+                        )
+                time.sleep(0.02)
+                continue
+            toks = family(rng)
+            if rng.random() < 0.5:
+                pool, route = prefill(toks)
+                name = f"chat-{int(rng.integers(3))}" if rng.random() < 0.5 else None
+                res = guard("publish", ck.checkpoint, pool, route, toks, MODEL.fingerprint, name)
+                if res is not None:
+                    counts["purge_retries"] += res.purge_retries
+            else:
+                dst = PagePool(MODEL.layout, page_size=CHUNK, num_pages=16)
+                res = guard("restore", restorer.restore, dst, toks, MODEL.fingerprint)
+                if res is not None and res.route is not None:
+                    counts["restored_tokens"] += res.restored_tokens
+                    n = res.restored_tokens
+                    want_pool, want_route = prefill(toks)
+                    k, v = dst.read(res.route)
+                    k0, v0 = want_pool.read(want_route)
+                    if not (np.array_equal(k, k0[:, :n]) and np.array_equal(v, v0[:, :n])):
+                        unexpected.append(f"restore of {n} tokens differs from a fresh prefill")
+                    counts["verified"] += 1
+    finally:
+        ck.close()
+        restorer.close()
+        cat.close()
+    print(json.dumps({"id": wid, "role": role, "counts": counts, "unexpected": unexpected}))
+
+
+if __name__ == "__main__":
+    main()
