@@ -26,7 +26,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StringConstraints
 
 from catalog.catalog import Catalog
-from catalog.errors import CatalogError, NotFoundError, RefConflictError
+from catalog.errors import CatalogError, NotFoundError, PurgeInProgressError, RefConflictError
 from catalog.identity import MAX_TOKEN_ID, Fingerprint
 from catalog.models import (
     ChunkMatch,
@@ -651,6 +651,15 @@ def create_app(catalog: Catalog, tokens: Mapping[str, str], *, max_prompt_tokens
     @app.exception_handler(RefConflictError)
     def on_conflict(request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=409)
+
+    @app.exception_handler(PurgeInProgressError)
+    def on_purging(request: Request, exc: Exception) -> JSONResponse:
+        # GC is deleting what the call names: a conflict that clears, so retry later.
+        return JSONResponse(
+            {"detail": str(exc), "error": "PurgeInProgressError"},
+            status_code=409,
+            headers={"Retry-After": "1"},
+        )
 
     @app.exception_handler(CatalogError)
     def on_catalog_error(request: Request, exc: Exception) -> JSONResponse:

@@ -187,7 +187,7 @@ def test_inconsistent_publish_is_422_with_the_catalog_message(client: TestClient
     body["records"] = body["records"][1:]  # parent not catalogued
     r = client.post("/v1/namespaces/a/chunks", json=body, headers=auth())
     assert r.status_code == 422
-    assert r.json()["error"] == "PublishError"
+    assert r.json()["error"] == "MissingParentError"
     assert "parent" in r.json()["detail"]
 
 
@@ -227,6 +227,37 @@ def test_refs_create_get_cas_conflict_fork_delete(client: TestClient, cat: Catal
     assert client.delete(f"{base}/side", headers=auth()).status_code == 204
     assert client.get(f"{base}/side", headers=auth()).status_code == 404
     assert cat.get_ref("a", "chat/1").head_hash.hex() == h2
+
+
+def test_ref_onto_a_chunk_gc_is_purging_is_409_and_retryable(
+    client: TestClient, cat: Catalog
+) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from catalog.errors import PurgeInProgressError
+    from catalog.gc import apply_gc, plan_gc
+
+    recs = publish(cat, "a", TOKENS)
+    plan = plan_gc(cat, "a", max_age_s=0, max_bytes=None, now=datetime.now(UTC) + timedelta(days=1))
+
+    class Crash(BaseException):  # GC died between marking and deleting
+        pass
+
+    def crash(location: str, key: str) -> bool:
+        raise Crash
+
+    with pytest.raises(Crash):
+        apply_gc(cat, plan, crash)
+    head = recs[0].prefix_hash.hex()
+    r = client.put(
+        "/v1/namespaces/a/refs/r", json={"fingerprint": FP.hex, "head_hash": head}, headers=auth()
+    )
+    assert r.status_code == 409, r.text
+    assert r.json()["error"] == "PurgeInProgressError" and r.headers["retry-after"] == "1"
+    remote = RemoteCatalog("http://testserver", TOKEN_A, namespace="a", transport=client._transport)
+    with remote, pytest.raises(PurgeInProgressError):
+        remote.create_ref("a", "r", FP, recs[0].prefix_hash)
+    assert cat.list_refs("a") == []
 
 
 def test_lineage_quarantine_and_stats(client: TestClient, cat: Catalog) -> None:
