@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar
 
 import numpy as np
@@ -43,6 +43,7 @@ from catalog.models import (
     EventInfo,
     InvalidationDirective,
     Match,
+    PinInfo,
     PrefixInfo,
     PublishResult,
     RefInfo,
@@ -56,6 +57,7 @@ from catalog.schema import (
     Event,
     FingerprintRow,
     Namespace,
+    Pin,
     PrefixNode,
     Ref,
     Replica,
@@ -1078,6 +1080,108 @@ class Catalog:
 
         self._retrying(run)
 
+    # -- pins ------------------------------------------------------------------
+
+    def pin(
+        self,
+        namespace: str,
+        name: str,
+        prefix_hash: bytes,
+        *,
+        ttl_s: float | None = None,
+        reason: str | None = None,
+        actor: str | None = None,
+    ) -> PinInfo:
+        """Keep `prefix_hash` and its lineage from GC, for `ttl_s` seconds or until unpinned.
+
+        Setting an existing pin moves it (and resets its expiry). The prefix must be
+        catalogued in `namespace` and not being purged.
+        """
+        _check_pin_name(name)
+        _check_prefix_hash(prefix_hash)
+        if ttl_s is not None and not (0 < ttl_s < 1e10):
+            raise CatalogError("a pin's ttl must be a positive number of seconds")
+        if reason is not None and len(reason) > 1024:
+            raise CatalogError("a pin's reason is at most 1024 characters")
+
+        def run() -> PinInfo:
+            with self._write() as conn:
+                ns_id, _head = self._ref_head(conn, namespace, prefix_hash)
+                self._hold(conn, {prefix_hash}, "that the pin would name")
+                now = utcnow()
+                expires = None if ttl_s is None else now + timedelta(seconds=ttl_s)
+                values = {
+                    "prefix_hash": prefix_hash,
+                    "reason": reason,
+                    "created_by": actor,
+                    "created_at": now,
+                    "expires_at": expires,
+                }
+                conn.execute(
+                    self._insert(conn, Pin)
+                    .values(namespace_id=ns_id, name=name, **values)
+                    .on_conflict_do_update(index_elements=["namespace_id", "name"], set_=values)
+                )
+                self._event(
+                    conn,
+                    "pin.set",
+                    namespace,
+                    name,
+                    actor,
+                    {
+                        "prefix": prefix_hash.hex(),
+                        "expires_at": None if expires is None else expires.isoformat(),
+                        "reason": reason,
+                    },
+                )
+                return PinInfo(namespace, name, prefix_hash, reason, actor, now, expires, True)
+
+        return self._retrying(run)
+
+    def unpin(self, namespace: str, name: str, *, actor: str | None = None) -> None:
+        """Remove a pin (NotFoundError when there is none by that name)."""
+
+        def run() -> None:
+            with self._write() as conn:
+                ns = self._namespace(conn, namespace)
+                res = (
+                    None
+                    if ns is None
+                    else conn.execute(
+                        sa.delete(Pin).where(Pin.namespace_id == ns[0], Pin.name == name)
+                    )
+                )
+                if res is None or res.rowcount != 1:
+                    raise NotFoundError(f"no pin {name!r} in namespace {namespace!r}")
+                self._event(conn, "pin.remove", namespace, name, actor, {})
+
+        self._retrying(run)
+
+    def list_pins(self, namespace: str, *, include_expired: bool = True) -> list[PinInfo]:
+        """The namespace's pins by name; `live` tells which still protect their prefix."""
+        now = utcnow()
+        with self.engine.connect() as conn:
+            ns = self._namespace(conn, namespace)
+            if ns is None:
+                return []
+            rows = conn.execute(
+                sa.select(Pin).where(Pin.namespace_id == ns[0]).order_by(Pin.name)
+            ).all()
+        out = [
+            PinInfo(
+                namespace,
+                r.name,
+                r.prefix_hash,
+                r.reason,
+                r.created_by,
+                r.created_at,
+                r.expires_at,
+                r.expires_at is None or r.expires_at > now,
+            )
+            for r in rows
+        ]
+        return out if include_expired else [p for p in out if p.live]
+
     # -- refs ------------------------------------------------------------------
 
     def create_ref(
@@ -1484,6 +1588,11 @@ def _check_prefix_hash(prefix_hash: Any) -> bytes:
     if not isinstance(prefix_hash, bytes) or len(prefix_hash) != 32:
         raise IdentityError(f"prefix hash must be 32 bytes, got {prefix_hash!r:.80}")
     return prefix_hash
+
+
+def _check_pin_name(name: str) -> None:
+    if not isinstance(name, str) or not name or len(name) > 255 or not name.isprintable():
+        raise CatalogError(f"invalid pin name {name!r:.80}: 1-255 printable characters")
 
 
 def _check_ref_name(name: str) -> None:

@@ -14,7 +14,7 @@ from sqlalchemy.orm import aliased
 
 from catalog.catalog import Catalog, utcnow
 from catalog.errors import CatalogError, NotFoundError
-from catalog.schema import Chunk, Demand, Event, Lock, PrefixNode, Ref, Replica
+from catalog.schema import Chunk, Demand, Event, Lock, Pin, PrefixNode, Ref, Replica
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +196,13 @@ def _protected(
             )
         ).scalars()
     )
+    heads += list(
+        conn.execute(
+            sa.select(Pin.prefix_hash).where(
+                Pin.namespace_id == ns_id, sa.or_(Pin.expires_at.is_(None), Pin.expires_at > now)
+            )
+        ).scalars()
+    )
     protected: set[bytes] = set()
     for h in heads:
         for a in _lineage(nodes, h):
@@ -262,7 +269,8 @@ def plan_gc(
     """Which chunks of `namespace` to purge: quarantined subtrees, then old leaves, then
     the least valuable leaves while the namespace holds more than `max_bytes`.
 
-    Roots (ref heads and unexpired demand) and their ancestors are never purged. A
+    Roots (ref heads, unexpired pins and unexpired demand) and their ancestors are
+    never purged. A
     node goes only once every node below it goes, so a chunk with live descendants
     goes only with its whole subtree. A prefix node is the unit: all its chunks (every
     fingerprint and shard) go together; its value is their summed access count, then
@@ -616,7 +624,10 @@ def _delete_and_drop(
                         ~sa.exists().where(Ref.head_hash == h),
                     )
                 )
-                prefixes += int(res.rowcount)
+                if res.rowcount:
+                    prefixes += 1
+                    # Only an expired pin can name a purged prefix (a live one is a root).
+                    conn.execute(sa.delete(Pin).where(Pin.prefix_hash == h))
             _events(
                 conn,
                 [

@@ -159,6 +159,20 @@ class PrefixInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class PinInfo:
+    """A named hold on a prefix: it and its ancestors are GC roots while `live`."""
+
+    namespace: str
+    name: str
+    prefix_hash: bytes
+    reason: str | None
+    created_by: str | None
+    created_at: datetime
+    expires_at: datetime | None
+    live: bool
+
+
+@dataclass(frozen=True, slots=True)
 class RefInfo:
     """A named continuation: `processed` positions up to `head_hash`, then `pending_token`."""
 

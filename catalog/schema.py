@@ -27,7 +27,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 HEAD_TOKENS = 32
 
 # Bumped with every migration; a database whose alembic revision differs is refused.
-SCHEMA_REVISION = "0002"
+SCHEMA_REVISION = "0003"
 
 NAMING = {
     "ix": "ix_%(column_0_label)s",
@@ -226,6 +226,22 @@ class Demand(Base):
     expires_at: Mapped[datetime]
 
     __table_args__ = (Index("ix_demand_expires", "expires_at"),)
+
+
+class Pin(Base):
+    """An operator's hold on a prefix (and so its lineage): a GC root until it expires, if ever."""
+
+    __tablename__ = "pins"
+    namespace_id: Mapped[int] = mapped_column(ForeignKey("namespaces.id"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)
+    # No foreign key: an expired pin may outlive the prefix GC purged after it expired.
+    prefix_hash: Mapped[bytes] = mapped_column(Hash)
+    reason: Mapped[str | None] = mapped_column(String(1024))
+    created_by: Mapped[str | None] = mapped_column(String(255))
+    created_at: Mapped[datetime]
+    expires_at: Mapped[datetime | None]
+
+    __table_args__ = (Index("ix_pins_prefix", "prefix_hash"),)
 
 
 class Event(Base):

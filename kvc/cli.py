@@ -9,7 +9,7 @@ import click
 from kvc import __version__
 
 # Subcommand modules, each with `register(cli)`.
-COMMAND_MODULES = ("db", "demo", "inspect", "maintenance", "rebuild", "serve", "daemon")
+COMMAND_MODULES = ("db", "demo", "inspect", "pins", "maintenance", "rebuild", "serve", "daemon")
 
 
 @click.group(

@@ -31,6 +31,10 @@ def populated(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[
     cat.create_ref("default", "main", FP, a[-1].prefix_hash)
     cat.create_ref("default", "other", FP, b[-1].prefix_hash)
     cat.fork_ref("default", "main", "fork")
+    cat.pin("default", "launch", a[1].prefix_hash, ttl_s=3600, reason="launch week")
+    cat.pin("default", "old", a[0].prefix_hash, ttl_s=3600)
+    with cat.engine.begin() as conn:  # the second has expired: the query must leave it out
+        conn.execute(sa.text("UPDATE pins SET expires_at = created_at WHERE name = 'old'"))
     conflict = chain_records("default", system[:4], salt="x")
     cat.record_chunks(conflict)
     cat.quarantine("default", b[-1].prefix_hash, "bad bytes")
@@ -48,3 +52,5 @@ def test_admin_query_runs_and_answers(populated: tuple[Catalog, str], index: int
     with cat.engine.connect() as conn:
         rows = conn.execute(sa.text(sql)).all()
     assert rows, f"query {index + 1} returned nothing on populated data:\n{sql}"
+    if "FROM v_pins" in sql:
+        assert [(r.pin, r.token_end) for r in rows] == [("launch", 8)]

@@ -137,6 +137,9 @@ COMMANDS = [
     ["quarantine"],
     ["fsck"],
     ["gc"],
+    ["pins", "set"],
+    ["pins", "list"],
+    ["pins", "rm"],
 ]
 
 
@@ -144,10 +147,11 @@ def test_every_command_explains_itself() -> None:
     from click.testing import CliRunner
 
     from kvc.cli import cli
-    from kvc.commands import inspect, maintenance
+    from kvc.commands import inspect, maintenance, pins
 
     inspect.register(cli)
     maintenance.register(cli)
+    pins.register(cli)
     for command in COMMANDS:
         out = CliRunner().invoke(cli, [*command, "--help"])
         assert out.exit_code == 0, (command, out.output)

@@ -16,7 +16,7 @@ import sqlalchemy as sa
 
 from catalog.catalog import Catalog
 from catalog.gc import GcPlan, acquire_lock, apply_gc, lock_holder, plan_gc, release_lock
-from catalog.schema import Chunk, Lock
+from catalog.schema import Chunk, Lock, Pin
 from tests.catalog_helpers import CS, FP, chain_records, publish, receipt
 
 NS = "default"
@@ -135,6 +135,95 @@ def test_demand_protects_until_it_expires(cat: Catalog, tree: dict[str, bytes]) 
     assert set(purged(plan_gc(cat, NS, max_age_s=0, max_bytes=None, now=now), tree)) == {"a2", "a3"}
     later = now + timedelta(seconds=1200)
     assert set(purged(plan_gc(cat, NS, max_age_s=0, max_bytes=None, now=later), tree)) == set(tree)
+
+
+def test_a_pin_protects_its_lineage_until_it_expires_or_is_removed(
+    cat: Catalog, tree: dict[str, bytes]
+) -> None:
+    pin = cat.pin(NS, "launch", tree["b2"], ttl_s=600, reason="keep b", actor="ops")
+    assert pin.live and pin.expires_at is not None and pin.created_by == "ops"
+    now = datetime.now(UTC)
+    plan = plan_gc(cat, NS, max_age_s=0, max_bytes=None, now=now)
+    assert set(purged(plan, tree)) == {"a2", "a3", "b3"} and plan.roots == 1
+    # Bytes retention cannot go below a pin either.
+    assert set(purged(plan_gc(cat, NS, max_age_s=None, max_bytes=0, now=now), tree)) == {
+        "a2",
+        "a3",
+        "b3",
+    }
+    # Expired, it protects nothing (and is listed as such).
+    later = now + timedelta(seconds=1200)
+    assert set(purged(plan_gc(cat, NS, max_age_s=0, max_bytes=None, now=later), tree)) == set(tree)
+    # Setting it again moves it and restarts its expiry; without a ttl it never expires.
+    moved = cat.pin(NS, "launch", tree["a3"])
+    assert moved.expires_at is None and moved.prefix_hash == tree["a3"]
+    assert [(p.name, p.prefix_hash, p.live) for p in cat.list_pins(NS)] == [
+        ("launch", tree["a3"], True)
+    ]
+    assert set(purged(plan_gc(cat, NS, max_age_s=0, max_bytes=None, now=later), tree)) == {
+        "b2",
+        "b3",
+    }
+    cat.unpin(NS, "launch")
+    assert cat.list_pins(NS) == []
+    assert set(purged(plan_gc(cat, NS, max_age_s=0, max_bytes=None, now=later), tree)) == set(tree)
+    kinds = [e.kind for e in cat.events(namespace=NS) if e.kind.startswith("pin.")]
+    assert kinds == ["pin.set", "pin.set", "pin.remove"]
+
+
+def test_an_expired_pin_goes_with_the_prefix_gc_purges(cat: Catalog, tree: dict[str, bytes]) -> None:
+    cat.pin(NS, "short", tree["b3"], ttl_s=1)
+    cat.pin(NS, "other", tree["a3"], ttl_s=1)
+    assert count(cat, "pins") == 2
+    with cat.engine.begin() as conn:  # the pins' expiry passes
+        conn.execute(sa.update(Pin).values(expires_at=datetime.now(UTC) - timedelta(seconds=2)))
+    assert not any(p.live for p in cat.list_pins(NS))
+    assert cat.list_pins(NS, include_expired=False) == []
+    plan = plan_gc(cat, NS, max_age_s=0, max_bytes=None, now=datetime.now(UTC))
+    assert set(purged(plan, tree)) == set(tree)
+    apply_gc(cat, plan, lambda loc, key: True)
+    assert count(cat, "pins") == 0 and count(cat, "prefixes") == 0
+
+
+def test_bad_pins_are_refused_and_change_nothing(cat: Catalog, tree: dict[str, bytes]) -> None:
+    from catalog.errors import CatalogError, NotFoundError
+
+    cat.pin(NS, "keep", tree["a1"])
+    for name in ("", "x" * 256, "tab\there"):
+        with pytest.raises(CatalogError, match="invalid pin name"):
+            cat.pin(NS, name, tree["a2"])
+    for ttl in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(CatalogError, match="ttl"):
+            cat.pin(NS, "keep", tree["a2"], ttl_s=ttl)
+    with pytest.raises(CatalogError, match="reason"):
+        cat.pin(NS, "keep", tree["a2"], reason="r" * 1025)
+    with pytest.raises(CatalogError):
+        cat.pin(NS, "keep", b"short")
+    with pytest.raises(NotFoundError):  # not catalogued in this namespace
+        cat.pin(NS, "keep", bytes(32))
+    with pytest.raises(NotFoundError):
+        cat.pin("no-such-namespace", "keep", tree["a2"])
+    with pytest.raises(NotFoundError):
+        cat.unpin(NS, "no-such-pin")
+    assert [(p.name, p.prefix_hash) for p in cat.list_pins(NS)] == [("keep", tree["a1"])]
+
+
+def test_a_pin_on_a_prefix_gc_is_purging_is_refused(cat: Catalog, tree: dict[str, bytes]) -> None:
+    from catalog.errors import PurgeInProgressError
+
+    plan = plan_gc(cat, NS, max_age_s=0, max_bytes=None, now=NOW)
+
+    class Crash(BaseException):  # GC dies between marking and deleting
+        pass
+
+    def crash(location: str, key: str) -> bool:
+        raise Crash
+
+    with pytest.raises(Crash):
+        apply_gc(cat, plan, crash)
+    with pytest.raises(PurgeInProgressError):
+        cat.pin(NS, "late", tree["a3"])
+    assert cat.list_pins(NS) == []
 
 
 def test_lock_one_holder_at_a_time_and_a_stale_one_expires(cat: Catalog) -> None:
@@ -290,3 +379,32 @@ def test_cli_gc_dry_run_lock_and_retention(cli_home: tuple[Path, str, dict[str, 
     with Catalog.open(url) as cat:
         assert count(cat, "chunks") == 0 and count(cat, "replicas") == 0
         assert lock_holder(cat, "gc") is None
+
+
+def test_cli_pins_keep_a_prefix_through_gc(cli_home: tuple[Path, str, dict[str, str]]) -> None:
+    from tests.test_cli_commands import kvc, one_line_error
+
+    _path, url, env = cli_home
+    with Catalog.open(url) as cat:
+        head = cat.get_ref(NS, "chat").head_hash
+        second = cat.lineage(NS, head)[1].prefix_hash
+        cat.delete_ref(NS, "chat")
+    out = kvc("pins", "set", "keep", second.hex()[:12], "--reason", "demo", "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["prefix"] == second.hex() and doc["expires_at"] is None and doc["live"]
+    listed = kvc("pins", "list", env=env)
+    assert listed.returncode == 0 and listed.stdout.startswith("keep ")
+    assert "never expires" in listed.stdout and "demo" in listed.stdout
+    gc = json.loads(kvc("gc", "--max-age", "0", "--json", env=env).stdout)
+    assert gc["retention"]["result"]["chunks_removed"] == 2  # the two below the pin
+    with Catalog.open(url) as cat:
+        assert count(cat, "chunks") == 2
+    one_line_error(kvc("pins", "set", "bad", "00" * 32, env=env), 1)  # not catalogued
+    bad_ttl = kvc("pins", "set", "keep", second.hex(), "--ttl", "0", env=env)
+    assert bad_ttl.returncode == 2 and "'--ttl'" in bad_ttl.stderr
+    one_line_error(kvc("pins", "rm", "nope", env=env), 1)
+    assert kvc("pins", "rm", "keep", env=env).returncode == 0
+    assert json.loads(kvc("pins", "list", "--json", env=env).stdout)["pins"] == []
+    gc = json.loads(kvc("gc", "--max-age", "0", "--json", env=env).stdout)
+    assert gc["retention"]["result"]["chunks_removed"] == 2

@@ -391,9 +391,11 @@ def gc(
     """Purge unneeded chunks of the namespace, then delete orphan blobs.
 
     Catalog side: chunks under a quarantined prefix, and with --max-age/--max-bytes
-    the least valuable leaf chunks, are purged (bytes, replicas and rows). Refs and
-    live demand are roots: they and their ancestors are never purged, and a chunk
-    with kept descendants goes only with its whole subtree.
+    the least valuable leaf chunks, are purged (bytes, replicas and rows). Refs,
+    live pins (`kvc pins`) and live demand are roots: they and their ancestors are
+    never purged, and a chunk with kept descendants goes only with its whole subtree.
+    A chunk extended, re-published or rooted after planning is spared. A run that was
+    interrupted is finished first (chunks it left `purging`, replicas `deleting`).
 
     Store side: a blob is an orphan when no replica row names it at that store and
     it has not been modified for --grace seconds (a crashed publish leaves such bytes;
