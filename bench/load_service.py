@@ -51,6 +51,7 @@ class LoadResult:
     errors: list[str] = field(default_factory=list)
     rss_start_kb: int = 0
     rss_end_kb: int = 0
+    rss_samples: list[tuple[float, int]] = field(default_factory=list)  # (seconds in, kB)
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -59,6 +60,7 @@ class LoadResult:
             "errors": len(self.errors),
             "rss_start_mb": round(self.rss_start_kb / 1024, 1),
             "rss_end_mb": round(self.rss_end_kb / 1024, 1),
+            "rss_samples_mb": [(round(t), round(kb / 1024, 1)) for t, kb in self.rss_samples],
         }
         total = 0
         for op, lat in sorted(self.ops.items()):
@@ -86,7 +88,9 @@ def _rss_kb(pid: int) -> int:
     return 0
 
 
-def run_load(catalog_url: str, *, clients: int, seconds: float, workdir: Path) -> LoadResult:
+def run_load(
+    catalog_url: str, *, clients: int, seconds: float, workdir: Path, sample_every: float = 10.0
+) -> LoadResult:
     cat = Catalog.open(catalog_url, upgrade=True)
     cat.ensure_namespace("default", CS)
     for i in range(20):  # 20 conversations sharing the system prompt
@@ -142,7 +146,14 @@ def run_load(catalog_url: str, *, clients: int, seconds: float, workdir: Path) -
                     with lock:
                         result.ops.setdefault(op, []).append(dt)
 
+        def sampler() -> None:  # the server's RSS over the run, to see whether it levels off
+            while time.monotonic() < stop_at:
+                time.sleep(min(sample_every, max(0.0, stop_at - time.monotonic())))
+                with lock:
+                    result.rss_samples.append((time.monotonic() - t0, _rss_kb(server.pid)))
+
         threads = [threading.Thread(target=client, args=(n,)) for n in range(clients)]
+        threads.append(threading.Thread(target=sampler))
         t0 = time.monotonic()
         for t in threads:
             t.start()
@@ -167,6 +178,8 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=50)
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--catalog", choices=["sqlite", "postgres"], default="sqlite")
+    ap.add_argument("--sample-every", type=float, default=10.0, help="RSS sample period (s)")
+    ap.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = ap.parse_args()
     with ExitStack() as stack:
         tmp = Path(tempfile.mkdtemp(prefix="kvc-load-"))
@@ -176,8 +189,27 @@ def main() -> None:
             from tests.services import start_postgres
 
             url = stack.enter_context(start_postgres()).url
-        res = run_load(url, clients=args.clients, seconds=args.seconds, workdir=tmp)
-    print(json.dumps(res.summary(), indent=2))
+        res = run_load(
+            url,
+            clients=args.clients,
+            seconds=args.seconds,
+            workdir=tmp,
+            sample_every=args.sample_every,
+        )
+    summary = res.summary()
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(f"\nkvc serve ({args.catalog}) under {args.clients} clients for {summary['seconds']} s")
+        print(f"{'operation':<10} {'count':>8} {'p50 ms':>9} {'p99 ms':>9}")
+        for op in ("lookup", "publish"):
+            if op in summary:
+                o = summary[op]
+                print(f"{op:<10} {o['count']:>8} {o['p50_ms']:>9.1f} {o['p99_ms']:>9.1f}")
+        print(f"throughput {summary['requests_per_s']} requests/s, errors {summary['errors']}")
+        print("server RSS (MB) at s: " + f"0: {summary['rss_start_mb']}, " + ", ".join(
+            f"{t}: {mb}" for t, mb in summary["rss_samples_mb"]
+        ))
     for e in res.errors[:10]:
         print("error:", e, file=sys.stderr)
     sys.exit(1 if res.errors else 0)
