@@ -87,6 +87,7 @@ def test_eight_processes_with_gc_racing_publishes(postgres_url: str, tmp_path: P
     # It did race: everything ran, GC more than a few times, restores were verified.
     assert total["gc"] >= 3 and total["publish"] >= 20 and total["verified"] >= 20
     assert total["fork"] + total["move_ref"] + total["delete_ref"] + total["create_ref"] >= 10
+    assert total["pin"] >= 3 and total["unpin"] >= 1
 
     cat = Catalog.open(postgres_url)
     store = open_store(store_url)
@@ -123,23 +124,30 @@ def test_eight_processes_with_gc_racing_publishes(postgres_url: str, tmp_path: P
             )
         fsck = kvc("fsck", "--catalog", postgres_url, "--store", store_url, "--read-data", "--json")
         assert fsck.returncode == 0, fsck.stdout[-2000:] + fsck.stderr[-2000:]
-        # Every ref still restores its whole lineage, token-exact.
+        # Every ref and every pin that never expires still restores its whole lineage,
+        # token-exact (GC may have purged what expired pins held).
         refs = cat.list_refs("default")
         assert refs, "some refs should survive the run"
+        heads = [(r.name, r.head_hash, r.processed) for r in refs]
+        for pin in cat.list_pins("default"):
+            if pin.expires_at is None:
+                node = cat.lineage("default", pin.prefix_hash)[-1]
+                heads.append((f"pin {pin.name}", pin.prefix_hash, node.token_end))
+        assert len(heads) > len(refs), "some pins should survive the run"
         with Restorer(cat, [store], "default") as restorer:
-            for ref in refs:
-                lineage = cat.lineage("default", ref.head_hash)
+            for name, head, processed in heads:
+                lineage = cat.lineage("default", head)
                 toks = [t for node in lineage for t in node.tokens]
-                assert len(toks) == ref.processed
+                assert len(toks) == processed and lineage[0].token_start == 0, name
                 pool = PagePool(MODEL.layout, page_size=16, num_pages=16)
                 got = restorer.restore(pool, [*toks, 0], MODEL.fingerprint)
-                assert got.restored_tokens == len(toks), (ref.name, got.report)
+                assert got.restored_tokens == len(toks), (name, got.report)
                 want = PagePool(MODEL.layout, page_size=16, num_pages=16)
                 r = want.new_route()
                 MODEL.prefill(want, r, toks)
                 k, v = pool.read(got.route)
                 k0, v0 = want.read(r)
-                assert np.array_equal(k, k0) and np.array_equal(v, v0), ref.name
+                assert np.array_equal(k, k0) and np.array_equal(v, v0), name
     finally:
         cat.close()
         store.close()
