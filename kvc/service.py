@@ -13,7 +13,7 @@ import math
 import re
 import threading
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -23,7 +23,16 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import HTTPException, RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StringConstraints
+from fastapi.security.utils import get_authorization_scheme_param
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+)
+from starlette.datastructures import Headers
 
 from catalog.catalog import Catalog
 from catalog.errors import CatalogError, NotFoundError, PurgeInProgressError, RefConflictError
@@ -44,22 +53,47 @@ from catalog.schema import Chunk, Namespace, PrefixNode
 
 log = logging.getLogger(__name__)
 
-API_PREFIX = "/v1/namespaces/{namespace}"
+API_ROOT = "/v1/namespaces/"
+API_PREFIX = API_ROOT + "{namespace}"
 # One body for every "no such thing", whether it is missing or belongs to another
 # tenant: the same as an unknown path, so nothing leaks which namespaces exist.
 NOT_FOUND = {"detail": "Not Found"}
+MISSING_TOKEN = "missing bearer token"
+INVALID_TOKEN = "invalid bearer token"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 # -- wire models ---------------------------------------------------------------
 
+# What reaches the catalog fits its columns, refused here with a 422 naming the field
+# rather than by the database with a 500: BIGINT counts, VARCHAR lengths, and no NUL
+# characters (PostgreSQL text cannot hold them; SQLite would store anything).
+_NO_NUL = r"^[^\x00]*$"
 Hex64 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 TokenId = Annotated[int, Field(strict=True, ge=0, le=MAX_TOKEN_ID)]
-Count = Annotated[int, Field(strict=True, ge=0)]
+Count = Annotated[int, Field(strict=True, ge=0, le=2**63 - 1)]
 TierName = Literal["resident", "local", "object"]
 StateName = Literal["durable", "ready", "corrupt", "missing", "deleting"]
-Text = Annotated[str, StringConstraints(min_length=1, max_length=1024)]
-RefName = Annotated[str, StringConstraints(min_length=1, max_length=255)]
-Actor = Annotated[str, StringConstraints(max_length=255)] | None
+Text = Annotated[str, StringConstraints(min_length=1, max_length=1024, pattern=_NO_NUL)]
+Short = Annotated[str, StringConstraints(max_length=255, pattern=_NO_NUL)]
+# A replica's location is a URI; the catalog files its store under the scheme (16 characters).
+Location = Annotated[
+    str,
+    StringConstraints(max_length=1024, pattern=r"^[A-Za-z][A-Za-z0-9+.\-]{0,15}:[^\x00]*$"),
+]
+RefName = Annotated[str, StringConstraints(min_length=1, max_length=255, pattern=_NO_NUL)]
+Actor = Short | None
+Reason = Annotated[str, StringConstraints(max_length=1024, pattern=_NO_NUL)]
+
+
+def _utc(value: datetime) -> datetime:
+    try:
+        return value.astimezone(UTC)
+    except OverflowError:
+        raise ValueError("the time is out of range in UTC") from None
+
+
+# Stored in UTC: an offset that moves it past year 1 or 9999 would not fit.
+UtcDatetime = Annotated[AwareDatetime, AfterValidator(_utc)]
 
 
 class _Model(BaseModel):
@@ -81,14 +115,14 @@ class ShardModel(_Model):
 
 
 class ReceiptModel(_Model):
-    location: Text
+    location: Location
     tier: TierName
     size: Count
-    checksum: Text
-    stored_at: AwareDatetime
-    etag: str | None = None
-    version: str | None = None
-    worker: str | None = None
+    checksum: Annotated[Short, StringConstraints(min_length=1)]
+    stored_at: UtcDatetime
+    etag: Short | None = None
+    version: Short | None = None
+    worker: Short | None = None
 
     @classmethod
     def of(cls, r: ReplicaReceipt) -> ReceiptModel:
@@ -242,7 +276,7 @@ class ChunkRecordModel(_Model):
     tokens: list[TokenId] = Field(min_length=1)
     shard: ShardModel
     blob_key: Hex64
-    codec: Text
+    codec: Annotated[str, StringConstraints(min_length=1, max_length=32, pattern=_NO_NUL)]
     stored_bytes: Count
     kv_bytes: Count
     receipts: list[ReceiptModel] = Field(min_length=1)
@@ -299,7 +333,7 @@ class MarkReplicaRequest(_Model):
     blob_key: Hex64
     location: Text
     state: StateName
-    reason: Annotated[str, StringConstraints(max_length=1024)]
+    reason: Reason
     actor: Actor = None
 
 
@@ -419,7 +453,7 @@ class Lineage(_Model):
 
 class QuarantineRequest(_Model):
     prefix_hash: Hex64
-    reason: Annotated[str, StringConstraints(min_length=1, max_length=1024, strip_whitespace=True)]
+    reason: Annotated[Reason, StringConstraints(min_length=1, strip_whitespace=True)]
     actor: Actor = None
 
 
@@ -462,6 +496,56 @@ class StatsModel(_Model):
 
 class Health(_Model):
     status: Literal["ok"]
+
+
+class ErrorModel(_Model):
+    """A refusal: what is wrong, and for an error of the catalog its class name (`error`)."""
+
+    detail: str
+    error: str | None = None
+
+
+class FieldErrorModel(BaseModel):
+    """One invalid field: `loc` is its place, ["body", "records", 0, "tokens"] or ["path", "name"]."""
+
+    loc: list[str | int] = Field(min_length=1)
+    msg: str
+    type: str
+
+
+class InvalidRequestModel(BaseModel):
+    detail: list[FieldErrorModel]
+
+
+def _refusal(description: str, model: Any = ErrorModel, **more: Any) -> dict[str, Any]:
+    return {"model": model, "description": description, **more}
+
+
+# What each status means on this API, declared in the OpenAPI document for the
+# routes that can answer it (schemathesis holds the service to that document).
+_REFUSALS: dict[int, dict[str, Any]] = {
+    400: _refusal("The body could not be read"),
+    401: _refusal(
+        "No bearer token, or one of no namespace",
+        headers={"WWW-Authenticate": {"schema": {"type": "string"}, "required": True}},
+    ),
+    404: _refusal("Nothing of that name in this namespace, or the token is another namespace's"),
+    409: _refusal(
+        "A ref moved or exists already, or GC is purging what the call names (`Retry-After`)",
+        headers={"Retry-After": {"schema": {"type": "string"}, "required": False}},
+    ),
+    413: _refusal("More tokens than this service's limit"),
+    422: _refusal(
+        "Invalid input: each field named by `loc`, or the catalog's refusal with its `error`",
+        model=InvalidRequestModel | ErrorModel,
+    ),
+}
+
+
+def _refusals(*statuses: int, body: bool = True) -> dict[int | str, dict[str, Any]]:
+    """The refusals of a namespace route: 401, 404 and 422, 400 with a body, and `statuses`."""
+    codes = sorted({401, 404, 422, *statuses, *((400,) if body else ())})
+    return {code: _REFUSALS[code] for code in codes}
 
 
 # -- metrics -------------------------------------------------------------------
@@ -540,12 +624,57 @@ class _Guard:
             await JSONResponse({"detail": "internal error"}, status_code=500)(scope, receive, send)
 
 
+class _Authenticate:
+    """ASGI middleware: a namespace call without a namespace's bearer token is a 401, body unread.
+
+    FastAPI reads and parses the body before it runs the dependencies, `_authorize`
+    among them: without this, a call with no token and a broken body got a 400 or
+    a 422 echoing the body. `_authorize` still decides between the namespace and 404.
+    """
+
+    def __init__(self, app: Any, hashes: Mapping[str, bytes]) -> None:
+        self.app = app
+        self.hashes = hashes
+
+    async def __call__(
+        self,
+        scope: MutableMapping[str, Any],
+        receive: Callable[[], Awaitable[MutableMapping[str, Any]]],
+        send: Callable[[MutableMapping[str, Any]], Awaitable[None]],
+    ) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(API_ROOT):
+            authorization = Headers(scope=scope).get("authorization")
+            scheme, token = get_authorization_scheme_param(authorization)
+            matches: set[str] = set()
+            if scheme.lower() != "bearer" or not token:
+                problem: str | None = MISSING_TOKEN
+            else:
+                matches = _namespaces_of(self.hashes, token)
+                problem = None if matches else INVALID_TOKEN
+            if problem is None:
+                # For `_authorize`: the token is compared once per call.
+                scope.setdefault("state", {})["token_namespaces"] = matches
+            else:
+                response = JSONResponse(
+                    {"detail": problem}, status_code=401, headers={"WWW-Authenticate": "Bearer"}
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 # -- the app -------------------------------------------------------------------
 
 
 def hash_token(token: str) -> str:
     """What a tokens file stores for `token`: the hex sha256 of its UTF-8 bytes."""
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def _namespaces_of(hashes: Mapping[str, bytes], token: str) -> set[str]:
+    """The namespaces whose token `token` is: compared with every hash, so timing says nothing of which."""
+    presented = hash_token(token).encode("ascii")
+    return {ns for ns, h in hashes.items() if hmac.compare_digest(presented, h)}
 
 
 def _not_found() -> HTTPException:
@@ -576,20 +705,19 @@ def _authorize(
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> str:
     """The path's namespace, if the bearer token is its token (401 without one, 404 for another's)."""
-    if credentials is None or credentials.scheme.lower() != "bearer":
-        raise HTTPException(
-            status_code=401, detail="missing bearer token", headers={"WWW-Authenticate": "Bearer"}
-        )
-    hashes: dict[str, bytes] = request.app.state.token_hashes
-    presented = hash_token(credentials.credentials).encode("ascii")
-    # Compare with every namespace's hash, so timing says nothing about which matched.
-    matches = {ns for ns, h in hashes.items() if hmac.compare_digest(presented, h)}
+    matches: set[str] | None = getattr(request.state, "token_namespaces", None)
+    if matches is None:  # not through `_Authenticate`, which refuses calls without a token
+        if credentials is None or credentials.scheme.lower() != "bearer":
+            raise HTTPException(
+                status_code=401, detail=MISSING_TOKEN, headers={"WWW-Authenticate": "Bearer"}
+            )
+        matches = _namespaces_of(request.app.state.token_hashes, credentials.credentials)
     if namespace in matches:
         return namespace
     if matches:
         raise _not_found()  # another tenant's token: this namespace does not exist for it
     raise HTTPException(
-        status_code=401, detail="invalid bearer token", headers={"WWW-Authenticate": "Bearer"}
+        status_code=401, detail=INVALID_TOKEN, headers={"WWW-Authenticate": "Bearer"}
     )
 
 
@@ -615,6 +743,8 @@ def create_app(catalog: Catalog, tokens: Mapping[str, str], *, max_prompt_tokens
         description="The kvc catalog over HTTP; see docs/http-api.md.",
     )
     app.state.metrics = metrics
+    # Added last, so outermost: `_Guard` also covers `_Authenticate`.
+    app.add_middleware(_Authenticate, hashes=hashes)
     app.add_middleware(_Guard, metrics=metrics)
     app.state.token_hashes = hashes
 
@@ -681,23 +811,29 @@ def create_app(catalog: Catalog, tokens: Mapping[str, str], *, max_prompt_tokens
 
     # -- namespace and fingerprints ------------------------------------------------
 
-    @app.get(f"{API_PREFIX}/namespace", response_model=NamespaceResponse)
+    @app.get(
+        f"{API_PREFIX}/namespace", response_model=NamespaceResponse, responses=_refusals(body=False)
+    )
     def get_namespace(ns: Ns) -> NamespaceResponse:
         """The namespace's chunk size, or null when nothing was published yet."""
         return NamespaceResponse(chunk_size=catalog.namespace_chunk_size(ns))
 
-    @app.post(f"{API_PREFIX}/namespace", response_model=NamespaceResponse)
+    @app.post(f"{API_PREFIX}/namespace", response_model=NamespaceResponse, responses=_refusals())
     def ensure_namespace(ns: Ns, body: NamespaceRequest) -> NamespaceResponse:
         """Create the namespace if needed; answers its chunk size (fixed at creation)."""
         return NamespaceResponse(chunk_size=catalog.ensure_namespace(ns, body.chunk_size))
 
-    @app.post(f"{API_PREFIX}/fingerprints", response_model=FingerprintModel)
+    @app.post(f"{API_PREFIX}/fingerprints", response_model=FingerprintModel, responses=_refusals())
     def register_fingerprint(ns: Ns, body: RegisterFingerprintRequest) -> FingerprintModel:
         fp = Fingerprint.from_descriptor(body.descriptor)
         catalog.register_fingerprint(fp)
         return FingerprintModel(fingerprint=fp.hex, descriptor=dict(fp.descriptor))
 
-    @app.get(f"{API_PREFIX}/fingerprints/{{fingerprint}}", response_model=FingerprintModel)
+    @app.get(
+        f"{API_PREFIX}/fingerprints/{{fingerprint}}",
+        response_model=FingerprintModel,
+        responses=_refusals(body=False),
+    )
     def get_fingerprint(ns: Ns, fingerprint: Hex64) -> FingerprintModel:
         fp = catalog.get_fingerprint(fingerprint)
         if fp is None:
@@ -709,7 +845,7 @@ def create_app(catalog: Catalog, tokens: Mapping[str, str], *, max_prompt_tokens
     @app.post(
         f"{API_PREFIX}/lookup",
         response_model=MatchModel,
-        responses={204: {"description": "Nothing of the prompt is restorable"}},
+        responses={204: {"description": "Nothing of the prompt is restorable"}, **_refusals(413)},
     )
     def lookup(ns: Ns, body: LookupRequest) -> Any:
         """The longest restorable prefix of the prompt and its chunks (200), or 204 on a miss."""
@@ -728,7 +864,7 @@ def create_app(catalog: Catalog, tokens: Mapping[str, str], *, max_prompt_tokens
         metrics.add("kvc_restorable_tokens_total", match.matched_tokens)
         return MatchModel.of(match)
 
-    @app.post(f"{API_PREFIX}/chunks", response_model=PublishResponse)
+    @app.post(f"{API_PREFIX}/chunks", response_model=PublishResponse, responses=_refusals(409, 413))
     def publish(ns: Ns, body: PublishRequest) -> PublishResponse:
         """Record chunks whose bytes are durable (all or nothing), registering their fingerprints."""
         check_prompt(sum(len(r.tokens) for r in body.records))
@@ -784,7 +920,7 @@ def create_app(catalog: Catalog, tokens: Mapping[str, str], *, max_prompt_tokens
             ],
         )
 
-    @app.post(f"{API_PREFIX}/known", response_model=KnownResponse)
+    @app.post(f"{API_PREFIX}/known", response_model=KnownResponse, responses=_refusals(413))
     def known(ns: Ns, body: KnownRequest) -> KnownResponse:
         """Which of these prefixes already have a chunk for this fingerprint and shard."""
         check_prompt(len(body.prefix_hashes))
@@ -793,7 +929,9 @@ def create_app(catalog: Catalog, tokens: Mapping[str, str], *, max_prompt_tokens
         )
         return KnownResponse(blob_keys={h.hex(): k for h, k in found.items()})
 
-    @app.post(f"{API_PREFIX}/replicas", response_model=RecordReplicaResponse)
+    @app.post(
+        f"{API_PREFIX}/replicas", response_model=RecordReplicaResponse, responses=_refusals(409)
+    )
     def record_replica(ns: Ns, body: RecordReplicaRequest) -> RecordReplicaResponse:
         """Add a replica (with its receipt) of one of this namespace's blobs."""
         own_blob(ns, body.blob_key)
@@ -802,7 +940,9 @@ def create_app(catalog: Catalog, tokens: Mapping[str, str], *, max_prompt_tokens
         )
         return RecordReplicaResponse(added=added)
 
-    @app.post(f"{API_PREFIX}/replicas/mark", response_model=MarkReplicaResponse)
+    @app.post(
+        f"{API_PREFIX}/replicas/mark", response_model=MarkReplicaResponse, responses=_refusals()
+    )
     def mark_replica(ns: Ns, body: MarkReplicaRequest) -> MarkReplicaResponse:
         """Set a replica's state (e.g. `corrupt` after a failed verification), with the reason."""
         own_blob(ns, body.blob_key)
@@ -819,16 +959,23 @@ def create_app(catalog: Catalog, tokens: Mapping[str, str], *, max_prompt_tokens
     # -- refs ------------------------------------------------------------------------
     # `{name:path}`: ref names may contain '/'; POST is only ever .../cas or .../fork.
 
-    @app.get(f"{API_PREFIX}/refs", response_model=RefList)
+    @app.get(f"{API_PREFIX}/refs", response_model=RefList, responses=_refusals(body=False))
     def list_refs(ns: Ns) -> RefList:
         return RefList(refs=[RefModel.of(r) for r in catalog.list_refs(ns)])
 
-    @app.get(f"{API_PREFIX}/refs/{{name:path}}", response_model=RefModel)
-    def get_ref(ns: Ns, name: str) -> RefModel:
+    @app.get(
+        f"{API_PREFIX}/refs/{{name:path}}", response_model=RefModel, responses=_refusals(body=False)
+    )
+    def get_ref(ns: Ns, name: RefName) -> RefModel:
         return RefModel.of(catalog.get_ref(ns, name))
 
-    @app.put(f"{API_PREFIX}/refs/{{name:path}}", response_model=RefModel, status_code=201)
-    def create_ref(ns: Ns, name: str, body: CreateRefRequest) -> RefModel:
+    @app.put(
+        f"{API_PREFIX}/refs/{{name:path}}",
+        response_model=RefModel,
+        status_code=201,
+        responses=_refusals(409),
+    )
+    def create_ref(ns: Ns, name: RefName, body: CreateRefRequest) -> RefModel:
         """Create a ref at a catalogued head; 409 if it already exists."""
         return RefModel.of(
             catalog.create_ref(
@@ -842,8 +989,10 @@ def create_app(catalog: Catalog, tokens: Mapping[str, str], *, max_prompt_tokens
             )
         )
 
-    @app.post(f"{API_PREFIX}/refs/{{name:path}}/cas", response_model=RefModel)
-    def update_ref(ns: Ns, name: str, body: UpdateRefRequest) -> RefModel:
+    @app.post(
+        f"{API_PREFIX}/refs/{{name:path}}/cas", response_model=RefModel, responses=_refusals(409)
+    )
+    def update_ref(ns: Ns, name: RefName, body: UpdateRefRequest) -> RefModel:
         """Move a ref from `expected_head` to `new_head`; 409 when it has moved meanwhile."""
         return RefModel.of(
             catalog.update_ref(
@@ -856,32 +1005,43 @@ def create_app(catalog: Catalog, tokens: Mapping[str, str], *, max_prompt_tokens
             )
         )
 
-    @app.post(f"{API_PREFIX}/refs/{{name:path}}/fork", response_model=RefModel, status_code=201)
-    def fork_ref(ns: Ns, name: str, body: ForkRefRequest) -> RefModel:
+    @app.post(
+        f"{API_PREFIX}/refs/{{name:path}}/fork",
+        response_model=RefModel,
+        status_code=201,
+        responses=_refusals(409),
+    )
+    def fork_ref(ns: Ns, name: RefName, body: ForkRefRequest) -> RefModel:
         """A new ref `body.name` at the head of `name`."""
         return RefModel.of(catalog.fork_ref(ns, name, body.name, actor=body.actor))
 
-    @app.delete(f"{API_PREFIX}/refs/{{name:path}}", status_code=204)
-    def delete_ref(ns: Ns, name: str) -> Response:
+    @app.delete(
+        f"{API_PREFIX}/refs/{{name:path}}", status_code=204, responses=_refusals(body=False)
+    )
+    def delete_ref(ns: Ns, name: RefName) -> Response:
         catalog.delete_ref(ns, name)
         return Response(status_code=204)
 
     # -- lineage, quarantine, stats ------------------------------------------------------
 
-    @app.get(f"{API_PREFIX}/prefixes/{{prefix_hash}}/lineage", response_model=Lineage)
+    @app.get(
+        f"{API_PREFIX}/prefixes/{{prefix_hash}}/lineage",
+        response_model=Lineage,
+        responses=_refusals(body=False),
+    )
     def lineage(ns: Ns, prefix_hash: Hex64) -> Lineage:
         """The chain from the root to this prefix, root first."""
         return Lineage(
             prefixes=[PrefixModel.of(p) for p in catalog.lineage(ns, _bytes(prefix_hash))]
         )
 
-    @app.post(f"{API_PREFIX}/quarantine", response_model=QuarantineResponse)
+    @app.post(f"{API_PREFIX}/quarantine", response_model=QuarantineResponse, responses=_refusals())
     def quarantine(ns: Ns, body: QuarantineRequest) -> QuarantineResponse:
         """Make a prefix and its descendants unrestorable; answers one directive per replica to drop."""
         directives = catalog.quarantine(ns, _bytes(body.prefix_hash), body.reason, actor=body.actor)
         return QuarantineResponse(directives=[DirectiveModel.of(d) for d in directives])
 
-    @app.get(f"{API_PREFIX}/stats", response_model=StatsModel)
+    @app.get(f"{API_PREFIX}/stats", response_model=StatsModel, responses=_refusals(body=False))
     def stats(ns: Ns) -> StatsModel:
         return StatsModel(**catalog.stats(ns))
 

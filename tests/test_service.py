@@ -5,10 +5,12 @@ from __future__ import annotations
 import logging
 import warnings
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 with warnings.catch_warnings():
     # Starlette nudges towards `httpx2`; the project uses httpx, which TestClient still supports.
@@ -16,6 +18,7 @@ with warnings.catch_warnings():
     from fastapi.testclient import TestClient
 
 from catalog.catalog import Catalog
+from catalog.schema import Replica
 from kvc.remote import RemoteCatalog
 from kvc.service import ChunkRecordModel, create_app, hash_token
 from tests.catalog_helpers import CS, FP, chain_records, publish
@@ -333,3 +336,135 @@ def test_remote_catalog_maps_errors_back(client: TestClient, cat: Catalog) -> No
         assert m == cat.lookup("a", FP, [*TOKENS, 7])
         assert remote.lookup("a", FP, [9, 9, 9]).hit is False
         assert remote.stats("a")["chunks"] == 3
+
+
+# -- found by tests/test_service_fuzz.py ------------------------------------------
+
+
+def test_without_a_token_the_body_is_not_read(client: TestClient, cat: Catalog) -> None:
+    """401 before anything else: FastAPI parses a body before the token's dependency runs."""
+    broken = {"content": b'{"tokens": [1, 2,', "headers": {"Content-Type": "application/json"}}
+    for token in (None, "not-a-token"):
+        headers = {**broken["headers"], **(auth(token) if token else {})}
+        r = client.post("/v1/namespaces/a/lookup", content=broken["content"], headers=headers)
+        assert r.status_code == 401, r.text  # was 422 with the body's JSON error
+        assert r.headers["www-authenticate"] == "Bearer" and "tokens" not in r.text
+    r = client.post("/v1/namespaces/a/chunks", content=b"\xff\xfe", headers=broken["headers"])
+    assert r.status_code == 401  # was 400
+    assert client.get("/v1/namespaces/a/no-such-route").status_code == 401
+    # With a token the body is read as before.
+    r = client.post("/v1/namespaces/a/lookup", content=broken["content"], headers=auth())
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"][0] == "body"
+
+
+def test_the_document_declares_every_refusal(client: TestClient) -> None:
+    paths = client.get("/openapi.json").json()["paths"]
+    lookup = paths["/v1/namespaces/{namespace}/lookup"]["post"]["responses"]
+    assert set(lookup) == {"200", "204", "400", "401", "404", "413", "422"}
+    assert "409" in paths["/v1/namespaces/{namespace}/refs/{name}"]["put"]["responses"]
+    stats = paths["/v1/namespaces/{namespace}/stats"]["get"]["responses"]
+    assert set(stats) == {"200", "401", "404", "422"}
+    assert lookup["401"]["headers"]["WWW-Authenticate"]["required"] is True
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def any_backend(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> Iterator[tuple[TestClient, Catalog]]:
+    """A client over a SQLite or a PostgreSQL catalog holding one chain of namespace a."""
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'catalog.db'}"
+    else:
+        url = str(request.getfixturevalue("postgres_url"))
+    c = Catalog.open(url, upgrade=True)
+    c.ensure_namespace("a", CS)
+    publish(c, "a", TOKENS)
+    app = create_app(c, {"a": hash_token(TOKEN_A)}, max_prompt_tokens=MAX_PROMPT)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        yield client, c
+    c.close()
+
+
+def _receipt(**kw: Any) -> dict[str, Any]:
+    good = {"location": "file:///s", "tier": "local", "size": 100, "checksum": "c"}
+    return {**good, "stored_at": "2024-01-01T00:00:00Z", **kw}
+
+
+KEY = chain_records("a", TOKENS)[0].blob_key
+HEAD = chain_records("a", TOKENS)[0].prefix_hash.hex()
+NEW = ChunkRecordModel.of(chain_records("a", [7, 8, 9, 10])[0]).model_dump(mode="json")
+
+# (method, path, body, the field the 422 must name). Each was a 500 on PostgreSQL
+# (VARCHAR lengths, NUL characters, BIGINT range); on SQLite the integers past 2**63
+# and the times that leave the year range in UTC were 500s too, the rest stored as given.
+UNSTORABLE = [
+    ("POST", "replicas", {"blob_key": KEY, "receipt": _receipt(etag="e" * 256)}, "etag"),
+    ("POST", "replicas", {"blob_key": KEY, "receipt": _receipt(checksum="c" * 256)}, "checksum"),
+    ("POST", "replicas", {"blob_key": KEY, "receipt": _receipt(location="x" * 40)}, "location"),
+    ("POST", "replicas", {"blob_key": KEY, "receipt": _receipt(location="f:a\x00")}, "location"),
+    ("POST", "replicas", {"blob_key": KEY, "receipt": _receipt(size=2**63)}, "size"),
+    (
+        "POST",
+        "replicas",
+        {"blob_key": KEY, "receipt": _receipt(stored_at="0001-01-01T00:00:00+01:00")},
+        "stored_at",
+    ),
+    (
+        "POST",
+        "replicas",
+        {"blob_key": KEY, "receipt": _receipt(stored_at="9999-12-31T23:59:59-01:00")},
+        "stored_at",
+    ),
+    ("POST", "chunks", {"records": [{**NEW, "codec": "c" * 33}]}, "codec"),
+    ("POST", "chunks", {"records": [{**NEW, "kv_bytes": 2**63}]}, "kv_bytes"),
+    ("POST", "quarantine", {"prefix_hash": HEAD, "reason": "bad\x00"}, "reason"),
+    (
+        "POST",
+        "replicas/mark",
+        {
+            "blob_key": KEY,
+            "location": "file:///s",
+            "state": "corrupt",
+            "reason": "r",
+            "actor": "\x00",
+        },
+        "actor",
+    ),
+    (
+        "PUT",
+        "refs/r",
+        {"fingerprint": FP.hex, "head_hash": HEAD, "forked_from": "\x00"},
+        "forked_from",
+    ),
+    ("GET", "refs/a%00b", None, "name"),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body", "field"), UNSTORABLE)
+def test_what_the_catalog_cannot_store_is_422_naming_the_field(
+    any_backend: tuple[TestClient, Catalog],
+    method: str,
+    path: str,
+    body: dict[str, Any] | None,
+    field: str,
+) -> None:
+    client, cat = any_backend
+    before = cat.stats("a")
+    r = client.request(method, f"/v1/namespaces/a/{path}", json=body, headers=auth())
+    assert r.status_code == 422, r.text
+    assert any(e["loc"][-1] == field for e in r.json()["detail"]), r.text
+    assert cat.stats("a") == before
+
+
+def test_the_largest_storable_values_are_stored(any_backend: tuple[TestClient, Catalog]) -> None:
+    client, cat = any_backend
+    receipt = _receipt(size=2**63 - 1, stored_at="2024-01-01T05:30:00+05:30", etag="e" * 255)
+    r = client.post(
+        "/v1/namespaces/a/replicas", json={"blob_key": KEY, "receipt": receipt}, headers=auth()
+    )
+    assert r.status_code == 200 and r.json() == {"added": True}
+    with cat.engine.connect() as conn:
+        size, stored_at = conn.execute(
+            sa.select(Replica.size, Replica.stored_at).where(Replica.location == "file:///s")
+        ).one()
+    assert size == 2**63 - 1 and stored_at == datetime(2024, 1, 1, tzinfo=UTC)
