@@ -89,7 +89,13 @@ def _rss_kb(pid: int) -> int:
 
 
 def run_load(
-    catalog_url: str, *, clients: int, seconds: float, workdir: Path, sample_every: float = 10.0
+    catalog_url: str,
+    *,
+    clients: int,
+    seconds: float,
+    workdir: Path,
+    sample_every: float = 10.0,
+    publish_ratio: float = 0.1,
 ) -> LoadResult:
     cat = Catalog.open(catalog_url, upgrade=True)
     cat.ensure_namespace("default", CS)
@@ -127,7 +133,7 @@ def run_load(
             with RemoteCatalog(base, TOKEN, timeout=30) as rc:
                 while time.monotonic() < stop_at:
                     i = rng.randrange(20)
-                    if rng.random() < 0.1:
+                    if rng.random() < publish_ratio:
                         op = "publish"
                         prompt = [*SYSTEM, *range(10_000 + n * 1000 + rng.randrange(1000), 10_000 + n * 1000 + 2000)][: len(SYSTEM) + 2 * CS]
                         work = lambda p=prompt: rc.record_chunks(chain_records("default", p))  # noqa: E731
@@ -179,6 +185,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--catalog", choices=["sqlite", "postgres"], default="sqlite")
     ap.add_argument("--sample-every", type=float, default=10.0, help="RSS sample period (s)")
+    ap.add_argument("--publish-ratio", type=float, default=0.1, help="share of publishes")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = ap.parse_args()
     with ExitStack() as stack:
@@ -195,6 +202,7 @@ def main() -> None:
             seconds=args.seconds,
             workdir=tmp,
             sample_every=args.sample_every,
+            publish_ratio=args.publish_ratio,
         )
     summary = res.summary()
     if args.json:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -56,6 +57,7 @@ from catalog.schema import (
     Demand,
     Event,
     FingerprintRow,
+    Hash,
     Namespace,
     Pin,
     PrefixNode,
@@ -432,6 +434,16 @@ class Catalog:
             else:
                 recorded += 1
         if seen_ids:
+            if conn.dialect.name == "postgresql":
+                # Lock before updating, in id order: publishes re-recording the same
+                # chunks then queue instead of deadlocking (the UPDATE alone locks in
+                # whatever order its plan visits the rows).
+                conn.execute(
+                    sa.select(Chunk.id)
+                    .where(Chunk.id.in_(seen_ids))
+                    .order_by(Chunk.id)
+                    .with_for_update(key_share=True)
+                )
             conn.execute(sa.update(Chunk).where(Chunk.id.in_(seen_ids)).values(last_seen_at=now))
         replicas_added = self._add_replicas(
             conn, [(r.blob_key, rc) for r in kept_records for rc in r.receipts], now
@@ -455,8 +467,11 @@ class Catalog:
     def _hold(self, conn: sa.Connection, hashes: set[bytes], what: str) -> list[Any]:
         """Lock the chunk rows of these prefix nodes and refuse if GC is purging any of them.
 
-        On PostgreSQL the rows are locked (`FOR UPDATE`, in id order, as GC locks
-        them) until the transaction ends; SQLite's single writer is exclusive anyway.
+        On PostgreSQL the rows are share-locked (`FOR KEY SHARE`, in id order) until
+        the transaction ends: that conflicts with GC's `FOR UPDATE` mark, so GC waits
+        for this transaction (and then sees what it added), while publishes extending
+        the same parent (a shared system prompt) do not wait for each other. SQLite's
+        single writer is exclusive anyway.
         """
         if not hashes:
             return []
@@ -464,7 +479,7 @@ class Catalog:
             sa.select(Chunk.id, Chunk.prefix_hash, Chunk.state)
             .where(Chunk.prefix_hash.in_(sorted(hashes)))
             .order_by(Chunk.id)
-            .with_for_update()
+            .with_for_update(read=True, key_share=True)
         ).all()
         purging = tuple(sorted({r.prefix_hash for r in rows if r.state == "purging"}))
         if purging:
@@ -877,39 +892,6 @@ class Catalog:
             found = self._fp_cache[hex_] = Fingerprint.from_descriptor(desc)
         return found
 
-    def _chunk_query(self, fp_hex: str, shard: Shard, *extra: Any) -> Any:
-        # Only what a restore needs: receipts stay in the replicas table.
-        return (
-            sa.select(
-                Chunk.prefix_hash,
-                PrefixNode.parent_hash,
-                Chunk.blob_key,
-                PrefixNode.token_start,
-                PrefixNode.token_count,
-                Chunk.codec,
-                Chunk.stored_bytes,
-                Chunk.kv_bytes,
-                Replica.location,
-                Replica.tier,
-                Replica.state,
-                Replica.size,
-                Replica.worker,
-                *extra,
-            )
-            .join(PrefixNode, PrefixNode.prefix_hash == Chunk.prefix_hash)
-            .join(Replica, Replica.blob_key == Chunk.blob_key)
-            .where(
-                Chunk.fingerprint == fp_hex,
-                Chunk.layer_lo == shard.layer_lo,
-                Chunk.layer_hi == shard.layer_hi,
-                Chunk.head_lo == shard.head_lo,
-                Chunk.head_hi == shard.head_hi,
-                Chunk.state == "ready",
-                PrefixNode.quarantined.is_(False),
-                Replica.state.in_(USABLE_STATES),
-            )
-        )
-
     def _chunks_for(
         self, conn: sa.Connection, fp_hex: str, shard: Shard, hashes: list[bytes]
     ) -> dict[bytes, _ChunkRow]:
@@ -944,45 +926,18 @@ class Catalog:
     def _best_sibling(
         self, conn: sa.Connection, fp_hex: str, shard: Shard, parent: bytes, q_be: bytes
     ) -> tuple[_ChunkRow, int] | None:
-        usable = (
-            sa.select(sa.literal(1))
-            .select_from(Chunk)
-            .join(Replica, Replica.blob_key == Chunk.blob_key)
-            .where(
-                Chunk.prefix_hash == PrefixNode.prefix_hash,
-                Chunk.fingerprint == fp_hex,
-                Chunk.layer_lo == shard.layer_lo,
-                Chunk.layer_hi == shard.layer_hi,
-                Chunk.head_lo == shard.head_lo,
-                Chunk.head_hi == shard.head_hi,
-                Chunk.state == "ready",
-                Replica.state.in_(USABLE_STATES),
-            )
-            .exists()
-        )
-        base = sa.select(PrefixNode.prefix_hash).where(
-            PrefixNode.parent_hash == parent, PrefixNode.quarantined.is_(False), usable
-        )
-        # The sibling sharing the longest prefix with q is q's neighbour in token
-        # order. The index orders siblings by their first HEAD_TOKENS ids only:
-        # two probes find the neighbours by that head, and two more order just
-        # the siblings whose head equals q's by their full token ids (the rare
-        # case of siblings agreeing on their first HEAD_TOKENS tokens). All in
-        # one statement, so one round trip.
-        q_head = q_be[: 4 * HEAD_TOKENS]
-        head, full = PrefixNode.tokens_head, PrefixNode.tokens_be
-        same = base.where(head == q_head)
-        probes = [
-            base.where(head <= q_head).order_by(head.desc()).limit(1),
-            base.where(head > q_head).order_by(head.asc()).limit(1),
-            same.where(full <= q_be).order_by(full.desc()).limit(1),
-            same.where(full > q_be).order_by(full.asc()).limit(1),
-        ]
-        candidates = sa.union_all(*(sa.select(p.subquery()) for p in probes))
         rows = conn.execute(
-            self._chunk_query(fp_hex, shard, PrefixNode.tokens_be).where(
-                Chunk.prefix_hash.in_(sa.select(candidates.subquery()))
-            )
+            _sibling_statement(),
+            {
+                "fp": fp_hex,
+                "layer_lo": shard.layer_lo,
+                "layer_hi": shard.layer_hi,
+                "head_lo": shard.head_lo,
+                "head_hi": shard.head_hi,
+                "parent": parent,
+                "q_head": q_be[: 4 * HEAD_TOKENS],
+                "q_be": q_be,
+            },
         ).all()
         tokens_of = {r.prefix_hash: r.tokens_be for r in rows}
         best: tuple[_ChunkRow, int] | None = None
@@ -1590,6 +1545,92 @@ def _check_prefix_hash(prefix_hash: Any) -> bytes:
     return prefix_hash
 
 
+@functools.cache
+def _sibling_statement() -> Any:
+    """The best-sibling probe of a lookup, built once with bind parameters.
+
+    The sibling sharing the longest prefix with q is q's neighbour in token order.
+    The index orders siblings by their first HEAD_TOKENS ids only: two probes find
+    the neighbours by that head, and two more order just the siblings whose head
+    equals q's by their full token ids (the rare case of siblings agreeing on their
+    first HEAD_TOKENS tokens). All in one statement, so one round trip. Built once
+    (not per lookup) so SQLAlchemy's compiled cache and psycopg's prepared
+    statements apply: building it cost more than running it.
+    """
+    fp = sa.bindparam("fp", type_=sa.String())
+    layer_lo, layer_hi, head_lo, head_hi = (
+        sa.bindparam(name, type_=sa.Integer())
+        for name in ("layer_lo", "layer_hi", "head_lo", "head_hi")
+    )
+    q_head = sa.bindparam("q_head", type_=Hash)
+    q_be = sa.bindparam("q_be", type_=sa.LargeBinary())
+    ident = (
+        Chunk.fingerprint == fp,
+        Chunk.layer_lo == layer_lo,
+        Chunk.layer_hi == layer_hi,
+        Chunk.head_lo == head_lo,
+        Chunk.head_hi == head_hi,
+        Chunk.state == "ready",
+    )
+    usable = (
+        sa.select(sa.literal(1))
+        .select_from(Chunk)
+        .join(Replica, Replica.blob_key == Chunk.blob_key)
+        .where(
+            Chunk.prefix_hash == PrefixNode.prefix_hash,
+            *ident,
+            Replica.state.in_(USABLE_STATES),
+        )
+        .exists()
+    )
+    base = sa.select(PrefixNode.prefix_hash).where(
+        PrefixNode.parent_hash == sa.bindparam("parent", type_=Hash),
+        PrefixNode.quarantined.is_(False),
+        usable,
+    )
+    head, full = PrefixNode.tokens_head, PrefixNode.tokens_be
+    same = base.where(head == q_head)
+    probes = [
+        base.where(head <= q_head).order_by(head.desc()).limit(1),
+        base.where(head > q_head).order_by(head.asc()).limit(1),
+        same.where(full <= q_be).order_by(full.desc()).limit(1),
+        same.where(full > q_be).order_by(full.asc()).limit(1),
+    ]
+    # At most four candidates, computed once: materialized, so that no plan (say one
+    # made on a young table's stale statistics) re-runs the probes per chunk row.
+    candidates = (
+        sa.union_all(*(sa.select(p.subquery()) for p in probes))
+        .cte("sibling_candidates")
+        .prefix_with("MATERIALIZED", dialect="postgresql")
+    )
+    return (
+        sa.select(
+            Chunk.prefix_hash,
+            PrefixNode.parent_hash,
+            Chunk.blob_key,
+            PrefixNode.token_start,
+            PrefixNode.token_count,
+            Chunk.codec,
+            Chunk.stored_bytes,
+            Chunk.kv_bytes,
+            Replica.location,
+            Replica.tier,
+            Replica.state,
+            Replica.size,
+            Replica.worker,
+            PrefixNode.tokens_be,
+        )
+        .join(PrefixNode, PrefixNode.prefix_hash == Chunk.prefix_hash)
+        .join(Replica, Replica.blob_key == Chunk.blob_key)
+        .where(
+            *ident,
+            PrefixNode.quarantined.is_(False),
+            Replica.state.in_(USABLE_STATES),
+            Chunk.prefix_hash.in_(sa.select(candidates.c.prefix_hash)),
+        )
+    )
+
+
 def _check_pin_name(name: str) -> None:
     if not isinstance(name, str) or not name or len(name) > 255 or not name.isprintable():
         raise CatalogError(f"invalid pin name {name!r:.80}: 1-255 printable characters")
@@ -1641,7 +1682,7 @@ def _group(rows: Sequence[Any]) -> dict[bytes, _ChunkRow]:
     return out
 
 
-# Columns in the order of Catalog._chunk_query (the rows _group folds).
+# Columns in the order of _sibling_statement and _HOT_SQL (the rows _group folds).
 _HOT_SQL = (
     "SELECT c.prefix_hash, p.parent_hash, c.blob_key, p.token_start, p.token_count, c.codec,"
     " c.stored_bytes, c.kv_bytes, r.location, r.tier, r.state, r.size, r.worker"
