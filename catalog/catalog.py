@@ -71,6 +71,7 @@ T = TypeVar("T")
 
 DEFAULT_CHUNK_SIZE = 256
 _TIER_RANK = {t: i for i, t in enumerate(TIERS)}
+_AFTER_COMMIT = "kvc_after_commit"  # conn.info key: callbacks run once the write commits
 _RETRYABLE_PG = {"40001", "40P01"}  # serialization failure, deadlock detected
 
 
@@ -159,8 +160,24 @@ class Catalog:
 
     @contextmanager
     def _write(self) -> Iterator[sa.Connection]:
+        pending: list[Callable[[], None]] = []
         with self._writer.begin() as conn:
-            yield conn
+            conn.info[_AFTER_COMMIT] = pending
+            try:
+                yield conn
+            finally:
+                conn.info.pop(_AFTER_COMMIT, None)
+        for fn in pending:  # committed: now the caches may learn what it created
+            fn()
+
+    @staticmethod
+    def _after_commit(conn: sa.Connection, fn: Callable[[], None]) -> None:
+        """Run `fn` once `conn`'s write transaction commits (never if it rolls back)."""
+        pending = conn.info.get(_AFTER_COMMIT)
+        if pending is None:  # not in a _write transaction: nothing this created can roll back
+            fn()
+        else:
+            pending.append(fn)
 
     def _retrying(self, fn: Callable[[], T], attempts: int = 8) -> T:
         """Run a write transaction, retrying deadlocks, serialization failures and busy SQLite."""
@@ -202,8 +219,9 @@ class Catalog:
             ).first()
         if row is None:
             return None
-        self._ns_cache[name] = (row[0], row[1])
-        return row[0], row[1]
+        found = (row[0], row[1])
+        self._after_commit(conn, lambda: self._ns_cache.__setitem__(name, found))
+        return found
 
     def ensure_namespace(self, name: str, chunk_size: int = DEFAULT_CHUNK_SIZE) -> int:
         """Create the namespace if needed; return its chunk size (fixed at creation)."""
@@ -229,7 +247,9 @@ class Catalog:
             .values(hex=fp.hex, descriptor=dict(fp.descriptor), created_at=utcnow())
             .on_conflict_do_nothing(index_elements=["hex"])
         )
-        self._fp_cache[fp.hex] = fp
+        # Cached only once committed: a refused publish must not leave the cache
+        # believing its fingerprint is catalogued.
+        self._after_commit(conn, lambda: self._fp_cache.__setitem__(fp.hex, fp))
 
     def register_fingerprint(self, fp: Fingerprint) -> None:
         def run() -> None:

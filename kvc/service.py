@@ -902,8 +902,8 @@ def create_app(catalog: Catalog, tokens: Mapping[str, str], *, max_prompt_tokens
                     [x.to_receipt() for x in r.receipts],
                 )
             )
-        for fp in fps.values():
-            catalog.register_fingerprint(fp)
+        # record_chunks registers the records' fingerprints in its own transaction, so a
+        # refused publish leaves none behind.
         result: PublishResult = catalog.record_chunks(records, actor=body.actor)
         metrics.add("kvc_publish_chunks_total", result.recorded)
         return PublishResponse(

@@ -527,3 +527,19 @@ def test_stats_and_placements(cat: Catalog) -> None:
     assert cat.remove_replicas("worker:w1", held[:2], reason="evicted") == 2
     assert len(cat.replicas_at("worker:w1")) == 2
     assert cat.events(kind="replica.remove")[0].details == {"replicas": 2, "reason": "evicted"}
+
+
+def test_a_refused_publish_leaves_no_cached_fingerprint_or_namespace(cat: Catalog) -> None:
+    # A batch with a new fingerprint for a new namespace, refused: the namespace is
+    # created with the default chunk size, which the records do not fit. The
+    # rolled-back rows must not linger in the catalog's caches either.
+    bad = chain_records("fresh", list(range(8)), fp=FP2)
+    with pytest.raises(PublishError, match="does not fit"):
+        cat.record_chunks(bad)
+    assert cat.get_fingerprint(FP2.hex) is None
+    assert count(cat, "fingerprints") == 0 and count(cat, "namespaces") == 2
+    # Created for real, then published: both work (each once failed on a foreign key).
+    cat.ensure_namespace("fresh", CS)
+    assert cat.record_chunks(bad).recorded == 2
+    assert cat.get_fingerprint(FP2.hex) == FP2
+    assert len(cat.lookup("fresh", FP2, list(range(9))).chunks) == 2
