@@ -1116,21 +1116,7 @@ class Catalog:
     def unpin(self, namespace: str, name: str, *, actor: str | None = None) -> None:
         """Remove a pin (NotFoundError when there is none by that name)."""
 
-        def run() -> None:
-            with self._write() as conn:
-                ns = self._namespace(conn, namespace)
-                res = (
-                    None
-                    if ns is None
-                    else conn.execute(
-                        sa.delete(Pin).where(Pin.namespace_id == ns[0], Pin.name == name)
-                    )
-                )
-                if res is None or res.rowcount != 1:
-                    raise NotFoundError(f"no pin {name!r} in namespace {namespace!r}")
-                self._event(conn, "pin.remove", namespace, name, actor, {})
-
-        self._retrying(run)
+        self._delete_named(Pin, "pin", "pin.remove", namespace, name, actor)
 
     def list_pins(self, namespace: str, *, include_expired: bool = True) -> list[PinInfo]:
         """The namespace's pins by name; `live` tells which still protect their prefix."""
@@ -1345,6 +1331,13 @@ class Catalog:
         )
 
     def delete_ref(self, namespace: str, name: str, *, actor: str | None = None) -> None:
+        self._delete_named(Ref, "ref", "ref.delete", namespace, name, actor)
+
+    def _delete_named(
+        self, table: Any, what: str, event: str, namespace: str, name: str, actor: str | None
+    ) -> None:
+        """Delete the row `name` of a (namespace_id, name) table, with an event; else NotFound."""
+
         def run() -> None:
             with self._write() as conn:
                 ns = self._namespace(conn, namespace)
@@ -1352,12 +1345,12 @@ class Catalog:
                     None
                     if ns is None
                     else conn.execute(
-                        sa.delete(Ref).where(Ref.namespace_id == ns[0], Ref.name == name)
+                        sa.delete(table).where(table.namespace_id == ns[0], table.name == name)
                     )
                 )
                 if res is None or res.rowcount != 1:
-                    raise NotFoundError(f"no ref {name!r} in namespace {namespace!r}")
-                self._event(conn, "ref.delete", namespace, name, actor, {})
+                    raise NotFoundError(f"no {what} {name!r} in namespace {namespace!r}")
+                self._event(conn, event, namespace, name, actor, {})
 
         self._retrying(run)
 

@@ -9,6 +9,7 @@ import blake3
 
 from catalog import AttentionLayout, Fingerprint, chain_hash, chain_root
 from catalog.catalog import Catalog
+from catalog.gc import GcPlan, apply_gc
 from catalog.models import ChunkRecord, ReplicaReceipt, Shard
 
 LAYOUT = AttentionLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float16")
@@ -82,3 +83,20 @@ def publish(cat: Catalog, namespace: str, tokens: Sequence[int], **kw: object) -
     recs = chain_records(namespace, tokens, **kw)  # type: ignore[arg-type]
     cat.record_chunks(recs)
     return recs
+
+
+class GcKilled(BaseException):
+    """Raised from a GC run's blob deletion: as if the process died after the mark."""
+
+
+def kill_gc_after_marking(cat: Catalog, plan: GcPlan) -> None:
+    """Apply `plan` but die at its first blob deletion, leaving its chunks `purging`."""
+
+    def die(location: str, key: str) -> bool:
+        raise GcKilled
+
+    try:
+        apply_gc(cat, plan, die)
+    except GcKilled:
+        return
+    raise AssertionError("the GC run deleted no blob, so it never died after marking")

@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from catalog.catalog import Catalog
 from catalog.gc import GcPlan, acquire_lock, apply_gc, lock_holder, plan_gc, release_lock
 from catalog.schema import Chunk, Lock, Pin
-from tests.catalog_helpers import CS, FP, chain_records, publish, receipt
+from tests.catalog_helpers import CS, FP, chain_records, kill_gc_after_marking, publish, receipt
 
 NS = "default"
 NOW = datetime.now(UTC)
@@ -212,15 +212,7 @@ def test_a_pin_on_a_prefix_gc_is_purging_is_refused(cat: Catalog, tree: dict[str
     from catalog.errors import PurgeInProgressError
 
     plan = plan_gc(cat, NS, max_age_s=0, max_bytes=None, now=NOW)
-
-    class Crash(BaseException):  # GC dies between marking and deleting
-        pass
-
-    def crash(location: str, key: str) -> bool:
-        raise Crash
-
-    with pytest.raises(Crash):
-        apply_gc(cat, plan, crash)
+    kill_gc_after_marking(cat, plan)
     with pytest.raises(PurgeInProgressError):
         cat.pin(NS, "late", tree["a3"])
     assert cat.list_pins(NS) == []

@@ -30,7 +30,7 @@ from restore.checkpoint import Checkpointer
 from restore.engines.reference import ReferenceModel
 from restore.pool import PagePool
 from restore.restore import Restorer
-from tests.catalog_helpers import CS, FP, chain_records, publish, receipt
+from tests.catalog_helpers import CS, FP, chain_records, kill_gc_after_marking, publish, receipt
 
 NS = "default"
 A = list(range(12))  # a1 a2 a3
@@ -192,15 +192,7 @@ def test_resume_finishes_what_a_failed_delete_left(cat: Catalog) -> None:
 def test_resume_finishes_chunks_a_crashed_run_left_purging(cat: Catalog) -> None:
     first = publish(cat, NS, A[:8])
     plan = plan_gc(cat, NS, max_age_s=0, max_bytes=None, now=later())
-
-    class Crash(BaseException):  # as if the process died between the mark and the drop
-        pass
-
-    def crash(location: str, key: str) -> bool:
-        raise Crash
-
-    with pytest.raises(Crash):
-        apply_gc(cat, plan, crash)
+    kill_gc_after_marking(cat, plan)
     assert states(cat) == {"chunks": ["purging"] * 2, "replicas": ["deleting"] * 2}
     result = resume_gc(cat, lambda loc, key: True)
     assert result.chunks_removed == 2 and len(result.blobs_deleted) == 2

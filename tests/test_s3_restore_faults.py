@@ -135,6 +135,14 @@ def states(cat: Catalog, key: str) -> dict[str, str]:
         )
 
 
+def copy_replicas(
+    cat: Catalog, keys: list[str], src: ChunkStore, dst: ChunkStore, tier: str
+) -> None:
+    """A second replica of every blob: copied from `src` into `dst` and catalogued."""
+    for k in keys:
+        cat.record_replica(k, to_replica_receipt(dst.put(k, src.get(k)), tier))
+
+
 def faults(proxy: FaultProxy, key: str) -> list[str | None]:
     return [s.fault for s in proxy.seen("GET", key)]
 
@@ -222,8 +230,7 @@ def test_a_persistent_fault_uses_another_replica(
     # directly; its store name sorts after the proxied one, so it is tried second.
     with rig.open("b", direct=True) as b:
         assert s3.name < b.name
-        for k in rig.keys:
-            cat.record_replica(k, to_replica_receipt(b.put(k, s3.get(k)), "object"))
+        copy_replicas(cat, rig.keys, s3, b, "object")
         rig.proxy.clear()
         rig.proxy.inject(action, key=key, times=None)
         res, pool = restore(cat, [s3, b])
@@ -244,8 +251,7 @@ def test_a_local_replica_damaged_at_rest_falls_over_to_s3_through_a_503(
     rig, cat, s3 = published
     key = rig.keys[2]
     with LocalStore(tmp_path / "local") as local:
-        for k in rig.keys:
-            cat.record_replica(k, to_replica_receipt(local.put(k, s3.get(k)), "local"))
+        copy_replicas(cat, rig.keys, s3, local, "local")
         path = local.path_of(key)
         damaged = bytearray(path.read_bytes())
         damaged[len(damaged) // 2] ^= 0x01
