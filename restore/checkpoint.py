@@ -7,7 +7,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +23,9 @@ from chunkstore import ChunkStore, Receipt
 from chunkstore.codecs import DEFAULT_CODEC
 from chunkstore.errors import ChunkStoreError
 from chunkstore.record import check_finite, encode_chunk
+from restore.destination import KVSnapshot
 from restore.errors import CheckpointBusyError, RestoreError
+from restore.pool import PagePool
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +63,8 @@ class CheckpointResult:
 
 @dataclass
 class _Job:
-    lease_cm: Any
-    lease: Any
+    snapshot: KVSnapshot
+    release: Callable[[], None]
     tokens: np.ndarray[Any, Any]
     fingerprint: Fingerprint
     name: str | None
@@ -126,7 +128,7 @@ class Checkpointer:
 
     def checkpoint(
         self,
-        pool: Any,
+        pool: PagePool,
         route: int,
         tokens: Sequence[int] | np.ndarray[Any, Any],
         fingerprint: Fingerprint,
@@ -138,16 +140,26 @@ class Checkpointer:
         Returns when every new chunk is durable in `store` and catalogued (and,
         with `name`, the ref points at the new head).
         """
-        tok, shard = self._check(pool, route, tokens, fingerprint)
         with pool.lease(route) as lease:
-            result = self._publish(lease, tok, fingerprint, shard, name, pending)
-        pool.mark_durable(route, len(tok))  # eviction may now drop these positions
+            result = self.checkpoint_snapshot(lease, tokens, fingerprint, name, pending)
+        pool.mark_durable(route, result.tokens)  # eviction may now drop these positions
         return result
+
+    def checkpoint_snapshot(
+        self,
+        snapshot: KVSnapshot,
+        tokens: Sequence[int] | np.ndarray[Any, Any],
+        fingerprint: Fingerprint,
+        name: str | None = None,
+        pending: int | None = None,
+    ) -> CheckpointResult:
+        """Publish the first len(tokens) positions of any `KVSnapshot` (an engine's own cache)."""
+        tok, shard = self._check(snapshot, tokens, fingerprint)
+        return self._publish(snapshot, tok, fingerprint, shard, name, pending)
 
     def _check(
         self,
-        pool: Any,
-        route: int,
+        snapshot: KVSnapshot,
         tokens: Sequence[int] | np.ndarray[Any, Any],
         fingerprint: Fingerprint,
     ) -> tuple[np.ndarray[Any, Any], Shard]:
@@ -157,7 +169,7 @@ class Checkpointer:
         full = fingerprint.layout
         shard = self.shard or Shard.full(full)
         shard.check_within(full)
-        pl = pool.layout
+        pl = snapshot.layout
         want = (
             shard.layer_hi - shard.layer_lo,
             shard.head_hi - shard.head_lo,
@@ -167,18 +179,18 @@ class Checkpointer:
         got = (pl.num_layers, pl.num_kv_heads, pl.head_dim, pl.dtype)
         if want != got:
             raise RestoreError(
-                f"pool layout (layers, kv heads, head dim, dtype) = {got} does not match "
+                f"KV layout (layers, kv heads, head dim, dtype) = {got} does not match "
                 f"fingerprint {fingerprint.hex[:12]}'s shard {want}"
             )
-        if pool.length(route) < len(tok):
+        if snapshot.length < len(tok):
             raise RestoreError(
-                f"route {route} holds {pool.length(route)} positions but {len(tok)} token ids were given"
+                f"the KV holds {snapshot.length} positions but {len(tok)} token ids were given"
             )
         return tok, shard
 
     def _publish(
         self,
-        lease: Any,
+        snapshot: KVSnapshot,
         tok: np.ndarray[Any, Any],
         fp: Fingerprint,
         shard: Shard,
@@ -193,7 +205,7 @@ class Checkpointer:
         retries = 0
         while True:
             try:
-                result = self._publish_once(lease, tok, fp, shard, name, pending)
+                result = self._publish_once(snapshot, tok, fp, shard, name, pending)
                 result.purge_retries = retries
                 return result
             except (PurgeInProgressError, MissingParentError) as exc:
@@ -208,7 +220,7 @@ class Checkpointer:
 
     def _publish_once(
         self,
-        lease: Any,
+        snapshot: KVSnapshot,
         tok: np.ndarray[Any, Any],
         fp: Fingerprint,
         shard: Shard,
@@ -229,17 +241,14 @@ class Checkpointer:
         # scan of the new chunks first, so a refused checkpoint leaves no bytes.
         t = time.perf_counter()
         for i, _h in new:
-            k, v = lease.read(i * cs, min(len(tok), (i + 1) * cs))
-            check_finite(k, fp.layout.dtype)
-            check_finite(v, fp.layout.dtype)
+            check_finite(snapshot.read_kv(i * cs, min(len(tok), (i + 1) * cs)), fp.layout.dtype)
         seconds["scan"] = time.perf_counter() - t
         parents = [chain_root(self.namespace), *hashes[:-1]]
         for i, h in new:
             start, end = i * cs, min(len(tok), (i + 1) * cs)
             parent = parents[i]
             t = time.perf_counter()
-            k, v = lease.read(start, end)
-            kv = np.stack([k, v], axis=1)  # [L, 2, T, H, D]: the record's payload layout
+            kv = snapshot.read_kv(start, end)  # [L, 2, T, H, D]: the record's payload layout
             seconds["capture"] += time.perf_counter() - t
             t = time.perf_counter()
             enc = encode_chunk(
@@ -348,7 +357,7 @@ class Checkpointer:
 
     def submit(
         self,
-        pool: Any,
+        pool: PagePool,
         route: int,
         tokens: Sequence[int] | np.ndarray[Any, Any],
         fingerprint: Fingerprint,
@@ -364,8 +373,31 @@ class Checkpointer:
         `dropped` by reason, returns None) and an explicit checkpoint
         (`speculative=False`) raises `CheckpointBusyError`.
         """
-        tok, _shard = self._check(pool, route, tokens, fingerprint)
-        nbytes = len(tok) * pool.layout.bytes_per_token
+        lease = pool.lease(route)
+        return self.submit_snapshot(
+            lease, tokens, fingerprint, name, pending, speculative=speculative, release=lease.close
+        )
+
+    def submit_snapshot(
+        self,
+        snapshot: KVSnapshot,
+        tokens: Sequence[int] | np.ndarray[Any, Any],
+        fingerprint: Fingerprint,
+        name: str | None = None,
+        pending: int | None = None,
+        *,
+        speculative: bool = True,
+        release: Callable[[], None] | None = None,
+    ) -> Future[CheckpointResult] | None:
+        """`submit` for any `KVSnapshot`; `release` is called once the snapshot is no longer read
+        (also when the work is dropped or refused)."""
+        try:
+            tok, _shard = self._check(snapshot, tokens, fingerprint)
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        nbytes = len(tok) * snapshot.layout.bytes_per_token
         with self._lock:
             reason = None
             if self._queued >= self._max_queue:
@@ -373,6 +405,8 @@ class Checkpointer:
             elif self._staged + nbytes > self._staging_budget:
                 reason = "staging_budget"
             if reason is not None:
+                if release is not None:
+                    release()
                 if speculative:
                     self.dropped[reason] += 1
                     return None
@@ -387,10 +421,10 @@ class Checkpointer:
                     target=self._run, name="kvc-checkpoint", daemon=True
                 )
                 self._worker.start()
-        cm = pool.lease(route)
-        lease = cm.__enter__()
         fut: Future[CheckpointResult] = Future()
-        self._queue.put(_Job(cm, lease, tok, fingerprint, name, pending, nbytes, fut))
+        self._queue.put(
+            _Job(snapshot, release or _nothing, tok, fingerprint, name, pending, nbytes, fut)
+        )
         return fut
 
     def _run(self) -> None:
@@ -401,13 +435,13 @@ class Checkpointer:
             try:
                 shard = self.shard or Shard.full(job.fingerprint.layout)
                 result = self._publish(
-                    job.lease, job.tokens, job.fingerprint, shard, job.name, job.pending
+                    job.snapshot, job.tokens, job.fingerprint, shard, job.name, job.pending
                 )
                 job.future.set_result(result)
             except BaseException as exc:  # reported through the future, never lost
                 job.future.set_exception(exc)
             finally:
-                job.lease_cm.__exit__(None, None, None)
+                job.release()
                 with self._lock:
                     self._queued -= 1
                     self._staged -= job.nbytes
@@ -431,3 +465,7 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _nothing() -> None:
+    return None

@@ -95,16 +95,25 @@ class Lease:
     def closed(self) -> bool:
         return self._pool._lease_closed(self._id)
 
+    @property
+    def layout(self) -> AttentionLayout:
+        return self._pool.layout
+
     def read(
         self, start: int = 0, end: int | None = None
     ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
         """K and V copies of snapshot positions `[start, end)`, each `[num_layers, end-start, H, D]`."""
+        kv = self.read_kv(start, end)
+        return kv[:, 0], kv[:, 1]
+
+    def read_kv(self, start: int = 0, end: int | None = None) -> np.ndarray[Any, Any]:
+        """A copy of snapshot positions `[start, end)` shaped `[num_layers, 2, end-start, H, D]`."""
         if self.closed:
             raise RestoreError(f"lease {self._id} on route {self.route} is closed")
         start, end = _check_range(start, end, self.length)
         # No pool lock while copying: the lease's references keep every writer
         # off these pages, and a capture must not stall the decoding thread.
-        return self._pool._copy_out(self.pages, start, end)
+        return self._pool._copy_out_kv(self.pages, start, end)
 
     def close(self) -> None:
         """Drop the snapshot's page references (idempotent)."""
@@ -653,10 +662,16 @@ class PagePool:
     def _copy_out(
         self, pages: list[int] | tuple[int, ...], start: int, end: int
     ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        kv = self._copy_out_kv(pages, start, end)
+        return kv[:, 0], kv[:, 1]
+
+    def _copy_out_kv(
+        self, pages: list[int] | tuple[int, ...], start: int, end: int
+    ) -> np.ndarray[Any, Any]:
         lay = self._layout
-        shape = (lay.num_layers, end - start, lay.num_kv_heads, lay.head_dim)
-        k = np.empty(shape, dtype=self._dtype)
-        v = np.empty(shape, dtype=self._dtype)
+        out = np.empty(
+            (lay.num_layers, 2, end - start, lay.num_kv_heads, lay.head_dim), dtype=self._dtype
+        )
         ps = self._page_size
         kv = self._kv
         pos = start
@@ -664,7 +679,6 @@ class PagePool:
             idx, slot = divmod(pos, ps)
             take = min(ps - slot, end - pos)
             s = pos - start
-            k[:, s : s + take] = kv[:, 0, pages[idx], slot : slot + take]
-            v[:, s : s + take] = kv[:, 1, pages[idx], slot : slot + take]
+            out[:, :, s : s + take] = kv[:, :, pages[idx], slot : slot + take]
             pos += take
-        return k, v
+        return out

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -14,14 +13,16 @@ from typing import Any
 
 import numpy as np
 
-from catalog import Fingerprint, fingerprint_hex
+from catalog import AttentionLayout, Fingerprint, fingerprint_hex
 from catalog.catalog import Catalog
 from catalog.identity import token_array
 from catalog.models import ChunkMatch, Match, ReplicaInfo, Shard
 from chunkstore import ChunkStore
 from chunkstore.errors import ChunkIntegrityError, ChunkStoreError
 from chunkstore.record import DecodedChunk, decode_chunk
+from restore.destination import Destination, PoolDestination
 from restore.errors import RestoreError
+from restore.pool import PagePool
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,11 @@ class RestoreReport:
 
 @dataclass
 class RestoreResult:
-    """`route` holds `restored_tokens` verified positions (None on a miss); recompute from `recompute_from`."""
+    """`restored_tokens` verified positions were restored; recompute from `recompute_from`.
+
+    `route` is the pool route holding them (None on a miss, and for restores
+    into another `Destination`).
+    """
 
     route: int | None
     restored_tokens: int
@@ -50,7 +55,7 @@ class RestoreResult:
 
     @property
     def hit(self) -> bool:
-        return self.route is not None
+        return self.restored_tokens > 0
 
 
 class _ChunkFailed(Exception):
@@ -105,7 +110,7 @@ class Restorer:
 
     def restore(
         self,
-        pool: Any,
+        pool: PagePool,
         tokens: Sequence[int] | np.ndarray[Any, Any],
         fingerprint: Fingerprint | str,
         shard: Shard | None = None,
@@ -114,6 +119,28 @@ class Restorer:
         cancel: threading.Event | None = None,
     ) -> RestoreResult:
         """Restore the longest verified stored prefix of `tokens` into a new route of `pool`."""
+        dest = PoolDestination(pool)
+        result = self.restore_into(
+            dest, tokens, fingerprint, shard, max_tokens=max_tokens, cancel=cancel
+        )
+        result.route = dest.route
+        return result
+
+    def restore_into(
+        self,
+        destination: Destination,
+        tokens: Sequence[int] | np.ndarray[Any, Any],
+        fingerprint: Fingerprint | str,
+        shard: Shard | None = None,
+        *,
+        max_tokens: int | None = None,
+        cancel: threading.Event | None = None,
+    ) -> RestoreResult:
+        """Restore the longest verified stored prefix of `tokens` into any `Destination`.
+
+        The destination is committed with the number of verified positions, or
+        aborted (on a miss, when nothing verified, or on any error).
+        """
         t0 = time.perf_counter()
         tok = token_array(tokens)
         fp_hex = fingerprint_hex(fingerprint)
@@ -125,38 +152,31 @@ class Restorer:
             return RestoreResult(None, 0, 0, len(tok), match, report)
         shard = match.shard
         assert shard is not None
-        self._check_pool(pool, shard)
-        ps = pool.page_size
-        pages = pool.reserve_pages(math.ceil(match.matched_tokens / ps))
+        self._check_destination(destination.layout, shard)
+        destination.reserve(match.matched_tokens)
         try:
-            restored = self._load(pool, pages, match, tok, fp_hex, shard, report, cancel)
-            keep = math.ceil(restored / ps)
-            if keep < len(pages):
-                pool.free_reserved(pages[keep:])
-                pages = pages[:keep]
+            restored = self._load(destination, match, tok, fp_hex, shard, report, cancel)
             if restored == 0:
-                report.seconds["total"] = time.perf_counter() - t0
-                return RestoreResult(None, 0, 0, len(tok), match, report)
-            route = pool.new_route()
-            pool.attach(route, pages, restored)
+                destination.abort()
+            else:
+                destination.commit(restored)
         except BaseException:
-            pool.free_reserved(pages)
+            destination.abort()
             raise
         report.seconds["total"] = time.perf_counter() - t0
-        return RestoreResult(route, restored, restored, len(tok), match, report)
+        return RestoreResult(None, restored, restored, len(tok), match, report)
 
-    def _check_pool(self, pool: Any, shard: Shard) -> None:
-        pl = pool.layout
-        if (pl.num_layers, pl.num_kv_heads) != (shard.layer_hi - shard.layer_lo, shard.head_hi - shard.head_lo):
+    def _check_destination(self, layout: AttentionLayout, shard: Shard) -> None:
+        got = (layout.num_layers, layout.num_kv_heads)
+        if got != (shard.layer_hi - shard.layer_lo, shard.head_hi - shard.head_lo):
             raise RestoreError(
-                f"pool holds {pl.num_layers} layers x {pl.num_kv_heads} kv heads, "
+                f"the destination holds {got[0]} layers x {got[1]} kv heads, "
                 f"the shard to restore is {shard}"
             )
 
     def _load(
         self,
-        pool: Any,
-        pages: list[int],
+        destination: Destination,
         match: Match,
         tok: np.ndarray[Any, Any],
         fp_hex: str,
@@ -194,7 +214,7 @@ class Restorer:
             fetch_s += seconds
             t = time.perf_counter()
             c = chunks[i]
-            self._copy_into_pages(pool, pages, decoded.kv, c.token_start, c.tokens_used)
+            destination.write(decoded.kv, c.token_start, c.tokens_used)
             copy_s += time.perf_counter() - t
             restored = c.token_start + c.tokens_used
             report.chunks += 1
@@ -213,19 +233,6 @@ class Restorer:
                 with contextlib.suppress(Exception):
                     f.result()
         pending.clear()
-
-    @staticmethod
-    def _copy_into_pages(pool: Any, pages: list[int], kv: np.ndarray[Any, Any], start: int, used: int) -> None:
-        # Slice copies page by page into the layer-major pool: no fancy indexing.
-        ps = pool.page_size
-        dst = pool.kv
-        pos = start
-        end = start + used
-        while pos < end:
-            page, slot = divmod(pos, ps)
-            n = min(ps - slot, end - pos)
-            dst[:, :, pages[page], slot : slot + n] = kv[:, :, pos - start : pos - start + n]
-            pos += n
 
     def _replica_order(self, c: ChunkMatch) -> list[tuple[ReplicaInfo, ChunkStore]]:
         return [(r, self.stores[r.location]) for r in c.replicas if r.location in self.stores]

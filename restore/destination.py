@@ -1,0 +1,119 @@
+"""The two seams between kvc and an engine's KV memory: where verified KV lands, where captured KV comes from.
+
+A restore writes into a `Destination` (reserve, write chunk by chunk, commit
+or abort); a checkpoint reads from a `KVSnapshot` (a frozen view of positions
+`[0, length)`). The page pool implements both (`PoolDestination`, `Lease`);
+an engine adapter implements them over the engine's own cache tensors
+(`restore/engines/hf.py`). The pipelines never see more than these methods.
+
+Arrays crossing these seams are numpy, in the layout's numpy dtype (uint16
+bit patterns for bfloat16), shaped like the blob payload: `[L, 2, T, H, D]`
+(layers of the shard, K then V, positions, kv heads of the shard, head dim).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Protocol
+
+import numpy as np
+
+from catalog import AttentionLayout
+from restore.pool import PagePool
+
+__all__ = ["Destination", "KVSnapshot", "PoolDestination"]
+
+
+class Destination(Protocol):
+    """Where a restore puts verified KV. Nothing is visible to the engine before `commit`.
+
+    The restore calls `reserve` once, then `write` for consecutive chunks in
+    position order, then exactly one of `commit` (with the number of leading
+    positions that were written and verified; may be fewer than reserved) or
+    `abort` (on any error: the destination frees what it reserved and is left
+    as it was).
+    """
+
+    @property
+    def layout(self) -> AttentionLayout:
+        """Layers, kv heads, head dim and dtype of the slab this destination holds."""
+        ...
+
+    def reserve(self, tokens: int) -> None:
+        """Make room for `tokens` positions; raise (changing nothing) if there is none."""
+        ...
+
+    def write(self, kv: np.ndarray[Any, Any], start: int, count: int) -> None:
+        """Copy `kv[:, :, :count]` (a verified chunk payload) to positions `[start, start + count)`."""
+        ...
+
+    def commit(self, tokens: int) -> None:
+        """Make the first `tokens` positions visible (`tokens` > 0) and release the rest."""
+        ...
+
+    def abort(self) -> None:
+        """Release everything reserved; nothing becomes visible."""
+        ...
+
+
+class KVSnapshot(Protocol):
+    """A frozen view of positions `[0, length)` of one sequence's KV, readable while decoding goes on."""
+
+    @property
+    def layout(self) -> AttentionLayout:
+        """Layers, kv heads, head dim and dtype of the slab this snapshot holds."""
+        ...
+
+    @property
+    def length(self) -> int: ...
+
+    def read_kv(self, start: int, end: int) -> np.ndarray[Any, Any]:
+        """A copy of positions `[start, end)` shaped `[L, 2, end - start, H, D]`."""
+        ...
+
+
+class PoolDestination:
+    """Restores into a new route of a `PagePool`: pages are reserved, filled, then attached.
+
+    After `commit`, `route` is the new route's id.
+    """
+
+    def __init__(self, pool: PagePool) -> None:
+        self.pool = pool
+        self.route: int | None = None
+        self._pages: list[int] = []
+
+    @property
+    def layout(self) -> AttentionLayout:
+        return self.pool.layout
+
+    def reserve(self, tokens: int) -> None:
+        self._pages = self.pool.reserve_pages(math.ceil(tokens / self.pool.page_size))
+
+    def write(self, kv: np.ndarray[Any, Any], start: int, count: int) -> None:
+        # Slice copies page by page into the layer-major pool: no fancy indexing.
+        ps = self.pool.page_size
+        dst = self.pool.kv
+        pos = start
+        end = start + count
+        while pos < end:
+            page, slot = divmod(pos, ps)
+            n = min(ps - slot, end - pos)
+            dst[:, :, self._pages[page], slot : slot + n] = kv[:, :, pos - start : pos - start + n]
+            pos += n
+
+    def commit(self, tokens: int) -> None:
+        keep = math.ceil(tokens / self.pool.page_size)
+        pages, rest = self._pages[:keep], self._pages[keep:]
+        self._pages = pages
+        if rest:
+            self.pool.free_reserved(rest)
+        route = self.pool.new_route()
+        self.pool.attach(route, pages, tokens)
+        self._pages = []
+        self.route = route
+
+    def abort(self) -> None:
+        pages, self._pages = self._pages, []
+        if pages:
+            self.pool.free_reserved(pages)
