@@ -42,7 +42,7 @@ from catalog.models import ReplicaReceipt
 from chunkstore import ChunkStore
 from chunkstore.errors import ChunkStoreError
 from kvc import __version__
-from restore.checkpoint import Checkpointer, store_tier
+from restore.checkpoint import Checkpointer, write_behind_store
 from restore.engines.reference import ReferenceModel
 from restore.errors import (
     CheckpointBusyError,
@@ -172,7 +172,7 @@ class Daemon:
         self.namespace = namespace
         self.page_size = page_size
         self.max_pool_bytes = max_pool_bytes
-        write_behind = next((s for s in stores[1:] if store_tier(s) == "object"), None)
+        write_behind = write_behind_store(stores[1:])
         self._checkpointer = Checkpointer(
             catalog,
             stores[0],

@@ -35,6 +35,11 @@ def store_tier(store: ChunkStore) -> str:
     return "object" if store.name.startswith("s3:") else "local"
 
 
+def write_behind_store(stores: Sequence[ChunkStore]) -> ChunkStore | None:
+    """Of the stores after the first, the one that gets write-behind copies: the first object store."""
+    return next((s for s in stores if store_tier(s) == "object"), None)
+
+
 def to_replica_receipt(receipt: Receipt, tier: str) -> ReplicaReceipt:
     return ReplicaReceipt(
         location=receipt.store,

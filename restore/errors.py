@@ -31,6 +31,14 @@ class UnknownRouteError(RestoreError, LookupError):
     """No live route has this id in this pool (never created, released or evicted)."""
 
 
+class InputError(RestoreError, ValueError):
+    """An argument is malformed or inconsistent (named in the message); nothing was changed."""
+
+
+class UnsupportedModelError(RestoreError, TypeError):
+    """A model or cache kvc cannot represent exactly (named in the message): refused, never approximated."""
+
+
 class CheckpointBusyError(RestoreError):
     """An explicit checkpoint was refused because the queue or staging budget is full."""
 
