@@ -34,6 +34,7 @@ NS = "default"
 CHUNK = 16
 MODEL = ReferenceModel.small(seed=0)
 EXPECTED = (RefConflictError, NotFoundError, PurgeInProgressError)
+REF_OPS = ("pin", "fork", "create_ref", "move_ref", "unpin", "delete_ref")
 
 
 def family(rng: np.random.Generator) -> list[int]:
@@ -101,12 +102,64 @@ def main() -> None:
 
     ck = Checkpointer(cat, store, NS, CHUNK, actor=f"w{wid}", purge_wait_s=60)
     restorer = Restorer(cat, [store], NS)
+
+    def head_of_family() -> bytes | None:
+        match = guard("lookup", cat.lookup, NS, MODEL.fingerprint, family(rng))
+        return match.chunks[-1].prefix_hash if match is not None and match.chunks else None
+
+    def refs_step(step: int) -> None:
+        """Ref and pin churn in a fixed rotation (so every kind of change happens), on
+        random targets. Each worker first keeps one pin and one ref it never removes,
+        so some roots are certain to survive the run."""
+        if counts["keep"] == 0:
+            head = head_of_family()
+            if head is not None and guard("pin", cat.pin, NS, f"keep-{wid}", head) is not None:
+                if guard("create_ref", cat.create_ref, NS, f"keep-{wid}", MODEL.fingerprint, head):
+                    counts["keep"] = 1
+            return
+        refs = guard("list_refs", cat.list_refs, NS) or []
+        op = REF_OPS[step % len(REF_OPS)]
+        if op == "fork" and refs:
+            src = refs[int(rng.integers(len(refs)))]
+            guard("fork", cat.fork_ref, NS, src.name, f"fork-{wid}-{counts['fork']}")
+        elif op == "delete_ref":
+            mortal = [r for r in refs if not r.name.startswith("keep-")]
+            if mortal:
+                guard("delete_ref", cat.delete_ref, NS, mortal[int(rng.integers(len(mortal)))].name)
+        elif op == "move_ref" and len(refs) >= 2:
+            a, b = (refs[int(i)] for i in rng.choice(len(refs), 2, replace=False))
+            guard("move_ref", cat.update_ref, NS, a.name, expected_head=a.head_hash, new_head=b.head_hash)
+        elif op == "unpin":
+            pins = [p for p in guard("list_pins", cat.list_pins, NS) or [] if not p.name.startswith("keep-")]
+            if pins:
+                guard("unpin", cat.unpin, NS, pins[int(rng.integers(len(pins)))].name)
+        elif op in ("pin", "create_ref"):
+            head = head_of_family()
+            if head is None:
+                return
+            if op == "pin":  # half of them expiring soon
+                ttl = None if rng.random() < 0.5 else 2.0
+                guard("pin", cat.pin, NS, f"hold-{wid}-{int(rng.integers(8))}", head, ttl_s=ttl)
+            else:
+                guard("create_ref", cat.create_ref, NS, f"pin-{wid}-{counts['create_ref']}", MODEL.fingerprint, head)
+
+    def done() -> bool:
+        """The situation the test asserts is guaranteed, not left to the random schedule."""
+        if role == "gc":
+            return counts["gc"] >= 3
+        if role == "refs":
+            changes = sum(counts[op] for op in ("fork", "move_ref", "delete_ref", "create_ref"))
+            return counts["keep"] == 1 and counts["pin"] >= 3 and counts["unpin"] >= 1 and changes >= 5
+        return counts["publish"] >= 4 and counts["verified"] >= 4
+
+    step = 0
     try:
+        # On a loaded machine one `kvc gc` can take seconds: a worker goes on past its
+        # deadline (for at most a minute) until it has done what the test asserts.
         while len(unexpected) < 5 and (
-            time.monotonic() < deadline
-            # On a loaded machine one `kvc gc` can take seconds: the run asks for 3.
-            or (role == "gc" and counts["gc"] < 3 and time.monotonic() < deadline + 60)
+            time.monotonic() < deadline or (not done() and time.monotonic() < deadline + 60)
         ):
+            step += 1
             if role == "gc":
                 t0 = time.monotonic()
                 code, err = gc_cli(args)
@@ -119,47 +172,7 @@ def main() -> None:
                 time.sleep(max(0.2, args["gc_every_s"] - ms / 1000))
                 continue
             if role == "refs":
-                refs = guard("list_refs", cat.list_refs, NS) or []
-                pick = int(rng.integers(6))
-                if pick == 0 and refs:
-                    src = refs[int(rng.integers(len(refs)))]
-                    guard("fork", cat.fork_ref, NS, src.name, f"fork-{wid}-{counts['fork']}")
-                elif pick == 1 and refs:
-                    victim = refs[int(rng.integers(len(refs)))]
-                    guard("delete_ref", cat.delete_ref, NS, victim.name)
-                elif pick == 2 and len(refs) >= 2:
-                    a, b = (refs[int(i)] for i in rng.choice(len(refs), 2, replace=False))
-                    guard(
-                        "move_ref",
-                        cat.update_ref,
-                        NS,
-                        a.name,
-                        expected_head=a.head_hash,
-                        new_head=b.head_hash,
-                    )
-                elif pick == 3:
-                    pins = guard("list_pins", cat.list_pins, NS) or []
-                    if pins:
-                        gone = pins[int(rng.integers(len(pins)))]
-                        guard("unpin", cat.unpin, NS, gone.name)
-                else:
-                    toks = family(rng)
-                    match = guard("lookup", cat.lookup, NS, MODEL.fingerprint, toks)
-                    if match is not None and match.chunks:
-                        head = match.chunks[-1].prefix_hash
-                        if pick == 4:  # a pin, half of them expiring soon
-                            ttl = None if rng.random() < 0.5 else 2.0
-                            name = f"hold-{wid}-{int(rng.integers(8))}"
-                            guard("pin", cat.pin, NS, name, head, ttl_s=ttl)
-                        else:
-                            guard(
-                                "create_ref",
-                                cat.create_ref,
-                                NS,
-                                f"pin-{wid}-{counts['create_ref']}",
-                                MODEL.fingerprint,
-                                head,
-                            )
+                refs_step(step)
                 time.sleep(0.02)
                 continue
             toks = family(rng)

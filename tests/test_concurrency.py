@@ -85,9 +85,10 @@ def test_eight_processes_with_gc_racing_publishes(postgres_url: str, tmp_path: P
         total.update(r["counts"])
     print(json.dumps(dict(sorted(total.items())), indent=1))
     # It did race: everything ran, GC more than a few times, restores were verified.
+    # Each worker goes on until it has done its share of these (see `done` in the worker).
     assert total["gc"] >= 3 and total["publish"] >= 20 and total["verified"] >= 20
     assert total["fork"] + total["move_ref"] + total["delete_ref"] + total["create_ref"] >= 10
-    assert total["pin"] >= 3 and total["unpin"] >= 1
+    assert total["pin"] >= 6 and total["unpin"] >= 2 and total["keep"] == 2
 
     cat = Catalog.open(postgres_url)
     store = open_store(store_url)
