@@ -249,52 +249,58 @@ class Checkpointer:
             check_finite(snapshot.read_kv(i * cs, min(len(tok), (i + 1) * cs)), fp.layout.dtype)
         seconds["scan"] = time.perf_counter() - t
         parents = [chain_root(self.namespace), *hashes[:-1]]
-        for i, h in new:
-            start, end = i * cs, min(len(tok), (i + 1) * cs)
-            parent = parents[i]
-            t = time.perf_counter()
-            kv = snapshot.read_kv(start, end)  # [L, 2, T, H, D]: the record's payload layout
-            seconds["capture"] += time.perf_counter() - t
-            t = time.perf_counter()
-            enc = encode_chunk(
-                fingerprint=fp.hex,
-                namespace=self.namespace,
-                prefix_hash=h,
-                parent_hash=parent,
-                token_start=start,
-                tokens=tok[start:end].tolist(),
-                kv=kv,
-                layers=(shard.layer_lo, shard.layer_hi),
-                kv_heads=(shard.head_lo, shard.head_hi),
-                dtype=fp.layout.dtype,
-                codec=self.codec,
-            )
-            seconds["encode"] += time.perf_counter() - t
-            t = time.perf_counter()
-            receipt = self.store.put(enc.key, enc.data)
-            seconds["store"] += time.perf_counter() - t
-            stored += len(enc.data)
-            records.append(
-                ChunkRecord(
+        catalogued: Future[bool] = Future()  # tells write-behind uploads when to record
+        try:
+            for i, h in new:
+                start, end = i * cs, min(len(tok), (i + 1) * cs)
+                parent = parents[i]
+                t = time.perf_counter()
+                kv = snapshot.read_kv(start, end)  # [L, 2, T, H, D]: the record's payload layout
+                seconds["capture"] += time.perf_counter() - t
+                t = time.perf_counter()
+                enc = encode_chunk(
+                    fingerprint=fp.hex,
                     namespace=self.namespace,
-                    fingerprint=fp,
                     prefix_hash=h,
                     parent_hash=parent,
                     token_start=start,
                     tokens=tok[start:end].tolist(),
-                    shard=shard,
-                    blob_key=enc.key,
-                    codec=enc.header.codec,
-                    stored_bytes=len(enc.data),
-                    kv_bytes=int(kv.nbytes),
-                    receipts=[to_replica_receipt(receipt, tier)],
+                    kv=kv,
+                    layers=(shard.layer_lo, shard.layer_hi),
+                    kv_heads=(shard.head_lo, shard.head_hi),
+                    dtype=fp.layout.dtype,
+                    codec=self.codec,
                 )
-            )
-            if self.write_behind is not None:
-                self._upload_later(enc.key, enc.data)
-        t = time.perf_counter()
-        if records:
-            self.catalog.record_chunks(records, actor=self.actor)
+                seconds["encode"] += time.perf_counter() - t
+                t = time.perf_counter()
+                receipt = self.store.put(enc.key, enc.data)
+                seconds["store"] += time.perf_counter() - t
+                stored += len(enc.data)
+                records.append(
+                    ChunkRecord(
+                        namespace=self.namespace,
+                        fingerprint=fp,
+                        prefix_hash=h,
+                        parent_hash=parent,
+                        token_start=start,
+                        tokens=tok[start:end].tolist(),
+                        shard=shard,
+                        blob_key=enc.key,
+                        codec=enc.header.codec,
+                        stored_bytes=len(enc.data),
+                        kv_bytes=int(kv.nbytes),
+                        receipts=[to_replica_receipt(receipt, tier)],
+                    )
+                )
+                if self.write_behind is not None:
+                    self._upload_later(enc.key, enc.data, catalogued)
+            t = time.perf_counter()
+            if records:
+                self.catalog.record_chunks(records, actor=self.actor)
+        except BaseException:
+            catalogued.set_result(False)
+            raise
+        catalogued.set_result(True)
         head = hashes[-1] if hashes else None
         if name is not None and head is not None:
             self._move_ref(name, fp, head, pending)
@@ -329,7 +335,9 @@ class Checkpointer:
 
     # -- write-behind ------------------------------------------------------------
 
-    def _upload_later(self, key: str, data: bytes) -> None:
+    def _upload_later(self, key: str, data: bytes, catalogued: Future[bool]) -> None:
+        """Upload now; record the replica once `catalogued` says the chunk's row exists
+        (a replica of a chunk not yet catalogued would be refused, and lost)."""
         target = self.write_behind
         assert target is not None
 
@@ -341,6 +349,11 @@ class Checkpointer:
                 # replica simply does not exist until a later upload succeeds.
                 log.warning("write-behind upload of %s to %s failed: %s", key, target.name, exc)
                 self.dropped["write_behind_failed"] += 1
+                return
+            if not catalogued.result():
+                # The publish failed: these bytes are an orphan like the local ones,
+                # reclaimed by GC after its grace period.
+                self.dropped["write_behind_unpublished"] += 1
                 return
             try:
                 self.catalog.record_replica(

@@ -294,3 +294,31 @@ def start_seaweedfs(deadline_s: float = 90) -> Iterator[S3Server]:
             with contextlib.suppress(OSError):
                 os.unlink(sock)
         shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: object) -> Iterator[str]:
+    """A uvicorn server for an ASGI app in a thread, on a loopback socket bound here (no port
+    race); yields its base URL and stops it afterwards."""
+    import threading
+
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))  # type: ignore[arg-type]
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive(), "uvicorn exited before it started"
+        assert time.monotonic() < deadline, "uvicorn did not start within 20 s"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)
+        sock.close()
+        assert not thread.is_alive()

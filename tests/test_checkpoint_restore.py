@@ -158,6 +158,63 @@ def test_write_behind_records_the_object_replica_after_its_receipt(
     assert len(cat.events(kind="replica.missing")) == 2
 
 
+class SlowToRecord:
+    """A catalog whose publish transaction starts only after the object store holds every
+    upload: the order a fast object store and a busy database produce."""
+
+    def __init__(self, inner: Catalog, uploads_done: threading.Event) -> None:
+        self._inner = inner
+        self._uploads_done = uploads_done
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def record_chunks(self, records: Any, **kw: Any) -> Any:
+        assert self._uploads_done.wait(30), "the write-behind uploads never finished"
+        return self._inner.record_chunks(records, **kw)
+
+
+def test_write_behind_replicas_are_recorded_when_uploads_finish_before_the_publish(
+    cat: Catalog, local: ChunkStore, tmp_path: Path
+) -> None:
+    done = threading.Event()
+
+    class Counting(Gate):
+        def put(self, key: str, data: Any) -> Receipt:
+            r = super().put(key, data)
+            if self.puts == 2:
+                done.set()
+            return r
+
+    remote = Counting(open_store(f"file://{tmp_path / 'remote'}"), "s3://bucket/kvc?endpoint_url=http://x&region=r")
+    pool, route, t = computed(64)
+    with Checkpointer(SlowToRecord(cat, done), local, chunk_size=CHUNK, write_behind=remote) as cp:  # type: ignore[arg-type]
+        cp.checkpoint(pool, route, t, MODEL.fingerprint)
+    with cat.engine.connect() as conn:
+        tiers = conn.execute(sa.text("SELECT tier FROM replicas")).scalars().all()
+    assert sorted(tiers) == ["local", "local", "object", "object"]
+    assert cp.dropped == {}
+
+
+def test_a_failed_publish_records_no_write_behind_replica(
+    cat: Catalog, local: ChunkStore, tmp_path: Path
+) -> None:
+    class Refusing(SlowToRecord):
+        def record_chunks(self, records: Any, **kw: Any) -> Any:
+            raise RuntimeError("database went away")
+
+    remote = Gate(open_store(f"file://{tmp_path / 'remote'}"), "s3://bucket/kvc?endpoint_url=http://x&region=r")
+    pool, route, t = computed(64)
+    cp = Checkpointer(Refusing(cat, threading.Event()), local, chunk_size=CHUNK, write_behind=remote)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="went away"):
+        cp.checkpoint(pool, route, t, MODEL.fingerprint)
+    cp.close()
+    assert remote.puts == 2  # the bytes went up (orphans, reclaimed by GC after its grace)
+    assert cp.dropped["write_behind_unpublished"] == 2
+    with cat.engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT count(*) FROM replicas")).scalar_one() == 0
+
+
 def test_shards_publish_and_restore_only_their_slab(cat: Catalog, local: ChunkStore) -> None:
     full_pool, route, t = computed(64)
     k, v = full_pool.read(route)

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import uvicorn
 
 from catalog.catalog import Catalog
 from catalog.errors import NotFoundError
@@ -22,6 +18,7 @@ from restore.checkpoint import Checkpointer
 from restore.engines.reference import ReferenceModel
 from restore.pool import PagePool
 from restore.restore import Restorer
+from tests.services import serve_in_thread
 from tests.test_token_exact import digest
 
 PAGE, CHUNK = 16, 32
@@ -38,26 +35,9 @@ def catalog(tmp_path: Path) -> Iterator[Catalog]:
 
 @pytest.fixture
 def base_url(catalog: Catalog) -> Iterator[str]:
-    """A uvicorn server in a thread, on a socket bound here (no port race)."""
     app = create_app(catalog, {"default": hash_token(TOKEN)}, max_prompt_tokens=4096)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive(), "uvicorn exited before it started"
-        assert time.monotonic() < deadline, "uvicorn did not start within 20 s"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=20)
-        sock.close()
-        assert not thread.is_alive()
+    with serve_in_thread(app) as url:
+        yield url
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import blake3
@@ -43,7 +44,7 @@ from restore.checkpoint import Checkpointer, CheckpointResult, write_behind_stor
 from restore.errors import InputError, UnsupportedModelError
 from restore.restore import Restorer, RestoreResult
 
-__all__ = ["HFAdapter", "model_fingerprint"]
+__all__ = ["HFAdapter", "model_fingerprint", "save_random_model"]
 
 log = logging.getLogger(__name__)
 
@@ -560,3 +561,31 @@ class HFAdapter:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+
+# -- models for tests, demos and benchmarks ------------------------------------------------
+
+
+def save_random_model(
+    directory: str | Path, model_type: str = "llama", *, seed: int = 0, **config: Any
+) -> Path:
+    """Build a causal LM of `model_type` ("llama", "qwen2", "mistral", ...) with random weights
+    from `config` fields, `save_pretrained` it to `directory` and return the path.
+
+    Nothing is downloaded; load it back with `AutoModelForCausalLM.from_pretrained`.
+    Biases are random too (transformers initialises them to zero), so a bias in
+    the K/V projections really changes K/V.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(model_type, **config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg)  # type: ignore[no-untyped-call]
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, 0.02)
+    path = Path(directory)
+    model.save_pretrained(path)
+    return path
