@@ -38,3 +38,37 @@ def test_demo_again_restores_everything_and_prints_a_table(tmp_path: Path) -> No
     row = next(line for line in out.stdout.splitlines() if line.startswith("chat-0 "))
     restored = int(row.split()[2])
     assert restored > 0  # the second run finds the first run's chunks
+
+
+def test_demo_on_a_transformers_model_built_locally(tmp_path: Path) -> None:
+    args = ("--json", "--sessions", "2", "--system-tokens", "300", "--new-tokens", "3")
+    out = _kvc("demo", "--engine", "hf", *args, home=tmp_path / "h")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["engine"] == "transformers LlamaForCausalLM" and doc["exact"] is True
+    first, *later = doc["sessions"]
+    assert first["restored"] == 0
+    assert all(s["restored"] >= 256 and s["exact"] for s in later)
+    assert (tmp_path / "h" / "models" / "random-llama" / "config.json").exists()
+
+
+def test_demo_on_a_given_checkpoint_directory(tmp_path: Path) -> None:
+    from restore.engines.hf import save_random_model
+    from tests.hf_worker import CONFIGS
+
+    model = save_random_model(tmp_path / "qwen", "qwen2", **CONFIGS["qwen2"])
+    out = _kvc(
+        "demo", "--engine", "hf", "--model", str(model), "--sessions", "1",
+        "--system-tokens", "100", "--new-tokens", "2", home=tmp_path / "h",
+    )
+    assert out.returncode == 0, out.stderr
+    assert "kvc demo (transformers Qwen2ForCausalLM)" in out.stdout
+    assert "NOT EXACT" not in out.stdout and "exact" in out.stdout
+
+
+def test_demo_model_errors_are_one_line(tmp_path: Path) -> None:
+    wrong = _kvc("demo", "--model", str(tmp_path), home=tmp_path / "h")
+    assert wrong.returncode == 2 and "--model needs --engine hf" in wrong.stderr
+    missing = _kvc("demo", "--engine", "hf", "--model", str(tmp_path / "nope"), home=tmp_path / "h")
+    assert missing.returncode == 1, missing.stderr
+    assert missing.stderr.startswith("kvc: error: cannot load model") and "Traceback" not in missing.stderr

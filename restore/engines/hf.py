@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +45,7 @@ from restore.checkpoint import Checkpointer, CheckpointResult, write_behind_stor
 from restore.errors import InputError, UnsupportedModelError
 from restore.restore import Restorer, RestoreResult
 
-__all__ = ["HFAdapter", "model_fingerprint", "save_random_model"]
+__all__ = ["GreedyRun", "HFAdapter", "greedy", "model_fingerprint", "save_random_model"]
 
 log = logging.getLogger(__name__)
 
@@ -499,8 +500,12 @@ class HFAdapter:
         )
         self.last_restore = result
         if dest.cache is None:
-            return DynamicCache(config=self.model.config), 0
+            return self.new_cache(), 0
         return dest.cache, result.restored_tokens
+
+    def new_cache(self) -> DynamicCache:
+        """An empty DynamicCache for this model (what `restore` returns on a miss)."""
+        return DynamicCache(config=self.model.config)
 
     def checkpoint(
         self, token_ids: object, cache: object, name: str | None = None
@@ -589,3 +594,61 @@ def save_random_model(
     path = Path(directory)
     model.save_pretrained(path)
     return path
+
+
+@dataclass
+class GreedyRun:
+    """Greedy decoding from a cache: the tokens, each step's logits, time to the first token."""
+
+    tokens: list[int]
+    logits: list[np.ndarray[Any, Any]]
+    first_token_s: float
+
+
+@torch.no_grad()
+def greedy(
+    model: PreTrainedModel, input_ids: object, cache: DynamicCache, start: int, new_tokens: int
+) -> GreedyRun:
+    """Feed `input_ids[start:]` after the `start` positions `cache` holds, then decode
+    `new_tokens` greedily; logits come back as float32 numpy arrays (for digests)."""
+    ids = token_ids(input_ids)
+    t0 = time.perf_counter()
+    x = torch.tensor(ids[start:].astype(np.int64), device=model.device).unsqueeze(0)
+    logits = model(x, cache=cache, use_cache=True).logits[0, -1]
+    first = time.perf_counter() - t0
+    out: list[int] = []
+    seen: list[np.ndarray[Any, Any]] = []
+    for _ in range(new_tokens):
+        seen.append(logits.float().cpu().numpy())
+        out.append(int(torch.argmax(logits)))
+        if len(out) < new_tokens:
+            x = torch.tensor([[out[-1]]], device=model.device)
+            logits = model(x, cache=cache, use_cache=True).logits[0, -1]
+    return GreedyRun(out, seen, first)
+
+
+# A small Llama the demo builds when no model is given: GQA, head dim 64, bfloat16.
+DEMO_MODEL = {
+    "vocab_size": 1024,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 8192,
+    "bos_token_id": 0,
+    "eos_token_id": None,
+    "pad_token_id": None,
+}
+
+
+def load_model(path_or_id: str | Path, dtype: str = "auto") -> PreTrainedModel:
+    """`AutoModelForCausalLM.from_pretrained` in eval mode: a local checkpoint directory, or a
+    hub id where there is network. `dtype` "auto" keeps the checkpoint's own."""
+    from transformers import AutoModelForCausalLM
+
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
+        str(path_or_id), dtype=dtype if dtype == "auto" else getattr(torch, dtype)
+    )
+    model.eval()  # type: ignore[no-untyped-call]
+    return model
