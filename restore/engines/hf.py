@@ -614,7 +614,8 @@ def greedy(
     ids = token_ids(input_ids)
     t0 = time.perf_counter()
     x = torch.tensor(ids[start:].astype(np.int64), device=model.device).unsqueeze(0)
-    logits = model(x, cache=cache, use_cache=True).logits[0, -1]
+    # Logits of the last position only: a long prompt's full logits would not fit in memory.
+    logits = model(x, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
     first = time.perf_counter() - t0
     out: list[int] = []
     seen: list[np.ndarray[Any, Any]] = []
@@ -623,7 +624,7 @@ def greedy(
         out.append(int(torch.argmax(logits)))
         if len(out) < new_tokens:
             x = torch.tensor([[out[-1]]], device=model.device)
-            logits = model(x, cache=cache, use_cache=True).logits[0, -1]
+            logits = model(x, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
     return GreedyRun(out, seen, first)
 
 
