@@ -27,11 +27,11 @@ __all__ = ["Destination", "KVSnapshot", "PoolDestination"]
 class Destination(Protocol):
     """Where a restore puts verified KV. Nothing is visible to the engine before `commit`.
 
-    The restore calls `reserve` once, then `write` for consecutive chunks in
-    position order, then exactly one of `commit` (with the number of leading
-    positions that were written and verified; may be fewer than reserved) or
-    `abort` (on any error: the destination frees what it reserved and is left
-    as it was).
+    The restore calls `reserve` once, then `write` for each verified chunk,
+    then, once no write is running, exactly one of `commit` (with the number of
+    leading positions that were written and verified; may be fewer than
+    reserved, and positions past it may have been written too) or `abort` (on
+    any error: the destination frees what it reserved and is left as it was).
     """
 
     @property
@@ -44,7 +44,11 @@ class Destination(Protocol):
         ...
 
     def write(self, kv: np.ndarray[Any, Any], start: int, count: int) -> None:
-        """Copy `kv[:, :, :count]` (a verified chunk payload) to positions `[start, start + count)`."""
+        """Copy `kv[:, :, :count]` (a verified chunk payload) to positions `[start, start + count)`.
+
+        Called from the restore's worker threads, several at once and in no particular
+        order, always for disjoint position ranges.
+        """
         ...
 
     def commit(self, tokens: int) -> None:

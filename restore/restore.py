@@ -184,42 +184,54 @@ class Restorer:
         report: RestoreReport,
         cancel: threading.Event | None,
     ) -> int:
-        """Fetch, verify and copy chunks in order; return how many leading positions are loaded."""
-        pending: dict[int, Future[tuple[DecodedChunk, str, float]]] = {}
+        """Fetch, verify and write chunks, several at once within the byte budget; return how
+        many leading positions are loaded (every chunk before the first failure).
+
+        Each chunk is written into the destination by the thread that verified it (the
+        writes are disjoint, and the copy of one chunk overlaps the hashing of the next).
+        Positions past the first failed chunk may be written too: `commit` drops them.
+        """
+        pending: dict[int, Future[tuple[str, float, float]]] = {}
         in_flight = 0
         nxt = 0
         restored = 0
         chunks = match.chunks
         fetch_s = copy_s = 0.0
-        while nxt < len(chunks) or pending:
-            # Keep fetches in flight within the byte budget, in order.
-            while nxt < len(chunks) and (not pending or in_flight + chunks[nxt].stored_bytes <= self.byte_budget):
-                c = chunks[nxt]
-                pending[nxt] = self._executor.submit(self._fetch_verified, c, tok, fp_hex, shard, report)
-                in_flight += c.stored_bytes
-                nxt += 1
-            i = min(pending)
-            fut = pending[i]
-            wait([fut], return_when=FIRST_COMPLETED)
-            del pending[i]
-            in_flight -= chunks[i].stored_bytes
-            if cancel is not None and cancel.is_set():
-                self._drain(pending)
-                raise RestoreError("restore cancelled")
-            try:
-                decoded, location, seconds = fut.result()
-            except _ChunkFailed:
-                self._drain(pending)
-                break  # the longest verified prefix ends before this chunk
-            fetch_s += seconds
+
+        def load(c: ChunkMatch) -> tuple[str, float, float]:
+            decoded, location, seconds = self._fetch_verified(c, tok, fp_hex, shard, report)
             t = time.perf_counter()
-            c = chunks[i]
             destination.write(decoded.kv, c.token_start, c.tokens_used)
-            copy_s += time.perf_counter() - t
-            restored = c.token_start + c.tokens_used
-            report.chunks += 1
-            report.bytes += c.stored_bytes
-            report.replicas_used[location] = report.replicas_used.get(location, 0) + 1
+            return location, seconds, time.perf_counter() - t
+
+        try:
+            while nxt < len(chunks) or pending:
+                # Keep chunks in flight within the byte budget, in order.
+                while nxt < len(chunks) and (
+                    not pending or in_flight + chunks[nxt].stored_bytes <= self.byte_budget
+                ):
+                    pending[nxt] = self._executor.submit(load, chunks[nxt])
+                    in_flight += chunks[nxt].stored_bytes
+                    nxt += 1
+                i = min(pending)
+                fut = pending.pop(i)
+                wait([fut], return_when=FIRST_COMPLETED)
+                in_flight -= chunks[i].stored_bytes
+                if cancel is not None and cancel.is_set():
+                    raise RestoreError("restore cancelled")
+                try:
+                    location, seconds, copied = fut.result()
+                except _ChunkFailed:
+                    break  # the longest verified prefix ends before this chunk
+                fetch_s += seconds
+                copy_s += copied
+                c = chunks[i]
+                restored = c.token_start + c.tokens_used
+                report.chunks += 1
+                report.bytes += c.stored_bytes
+                report.replicas_used[location] = report.replicas_used.get(location, 0) + 1
+        finally:
+            self._drain(pending)  # no thread writes into the destination after this
         report.seconds["fetch+verify"] = fetch_s
         report.seconds["copy"] = copy_s
         return restored

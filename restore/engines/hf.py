@@ -360,7 +360,9 @@ def _torch_dtype(dtype: str) -> torch.dtype:
 
 class _CacheDestination:
     """A `Destination` that becomes a DynamicCache: verified chunks land in one host buffer
-    `[L, 2, H, T, D]` (pinned for a GPU model), whose slices become the layers' tensors."""
+    laid out like the blob payload, `[L, 2, T, H, D]` (pinned for a GPU model), so each
+    chunk is one plain copy; the layers' tensors are `[1, H, T, D]` views of it (strided:
+    transformers' first append concatenates them into new tensors anyway)."""
 
     def __init__(self, model: PreTrainedModel, layout: AttentionLayout, shard: Shard) -> None:
         self._model = model
@@ -377,7 +379,7 @@ class _CacheDestination:
     def reserve(self, tokens: int) -> None:
         lay = self._layout
         self._host = torch.empty(
-            (lay.num_layers, 2, lay.num_kv_heads, tokens, lay.head_dim),
+            (lay.num_layers, 2, tokens, lay.num_kv_heads, lay.head_dim),
             dtype=_torch_dtype(lay.dtype),
             pin_memory=self._model.device.type == "cuda",
         )
@@ -385,8 +387,7 @@ class _CacheDestination:
 
     def write(self, kv: np.ndarray[Any, Any], start: int, count: int) -> None:
         assert self._view is not None
-        # [L, 2, T, H, D] -> [L, 2, H, T, D]: the one copy from the verified blob.
-        self._view[:, :, :, start : start + count] = kv[:, :, :count].transpose(0, 1, 3, 2, 4)
+        self._view[:, :, start : start + count] = kv[:, :, :count]  # the one copy from the blob
 
     def commit(self, tokens: int) -> None:
         host = self._host
@@ -398,8 +399,8 @@ class _CacheDestination:
         layers = _full_attention_layers(cache)
         for i in range(self._layout.num_layers):
             layer = layers[self._shard.layer_lo + i]
-            k = kv[i, 0, :, :tokens].unsqueeze(0)
-            v = kv[i, 1, :, :tokens].unsqueeze(0)
+            k = kv[i, 0, :tokens].transpose(0, 1).unsqueeze(0)
+            v = kv[i, 1, :tokens].transpose(0, 1).unsqueeze(0)
             layer.lazy_initialization(k, v)
             layer.keys, layer.values = k, v
         self.cache = cache
