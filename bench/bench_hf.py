@@ -41,6 +41,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_restore import median_s
+
 from catalog.catalog import Catalog
 from chunkstore import ChunkStore, open_store
 from chunkstore.record import read_header
@@ -61,16 +63,6 @@ QWEN2_05B = {
 }
 CHUNK = 256
 CORES = os.cpu_count() or 1
-
-
-def median_s(fn: Callable[[], object], reps: int) -> float:
-    fn()  # warm-up
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def floor_restore(paths: list[Path], layout: Any, n: int) -> Callable[[], torch.Tensor]:
