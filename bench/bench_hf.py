@@ -66,8 +66,9 @@ CORES = os.cpu_count() or 1
 
 
 def floor_restore(paths: list[Path], layout: Any, n: int) -> Callable[[], torch.Tensor]:
-    """By hand: mmap each blob, blake3 it, copy its payload once into a [L, 2, H, T, D]
-    cache buffer; blobs are split over every core."""
+    """By hand: mmap each blob, blake3 it, copy its payload once into a cache buffer laid
+    out like the payload ([L, 2, T, H, D]: one plain copy), fresh memory in huge pages;
+    blobs are split over every core."""
     headers = []
     for p in paths:
         data = p.read_bytes()
@@ -76,11 +77,14 @@ def floor_restore(paths: list[Path], layout: Any, n: int) -> Callable[[], torch.
     headers.sort(key=lambda x: x[1])
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[layout.dtype]
     np_dtype = layout.numpy_dtype
-    shape = (layout.num_layers, 2, layout.num_kv_heads, n, layout.head_dim)
+    shape = (layout.num_layers, 2, n, layout.num_kv_heads, layout.head_dim)
     pool = ThreadPoolExecutor(CORES)
+    nbytes = int(np.prod(shape)) * np_dtype.itemsize
 
     def run() -> torch.Tensor:
-        buf = torch.empty(shape, dtype=dtype)
+        memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        memory.madvise(mmap.MADV_HUGEPAGE)  # fresh memory faults in 3x faster in huge pages
+        buf = torch.frombuffer(memory, dtype=dtype).view(shape)
         view = (buf.view(torch.int16) if dtype == torch.bfloat16 else buf).numpy()
 
         def one(item: tuple[Path, int, int, int]) -> None:
@@ -91,7 +95,7 @@ def floor_restore(paths: list[Path], layout: Any, n: int) -> Callable[[], torch.
                     layout.num_layers, 2, count, layout.num_kv_heads, layout.head_dim
                 )
                 used = min(count, n - start)
-                view[:, :, :, start : start + used] = payload[:, :, :used].transpose(0, 1, 3, 2, 4).view(view.dtype)
+                view[:, :, start : start + used] = payload[:, :, :used].view(view.dtype)
                 del payload
 
         list(pool.map(one, headers))
@@ -108,7 +112,8 @@ def safetensors_alt(tmp: Path, cache: Any) -> Callable[[], object]:
         {f"{i}.{kv}": getattr(layer, kv).contiguous() for i, layer in enumerate(cache.layers) for kv in ("keys", "values")},
         str(path),
     )
-    return lambda: load_file(str(path))
+    # What a user gets from kvc is KV in memory: load, then materialise each tensor (one copy).
+    return lambda: [t.clone() for t in load_file(str(path)).values()]
 
 
 def bench(model_dir: Path, dtype: str, n: int, reps: int, s3: ChunkStore | None, tmp: Path) -> dict[str, Any]:
@@ -224,7 +229,7 @@ def main() -> None:
             f"{r['ttft_speedup']:>8.1f}x{r['restore_local_gbs']:>14.2f}{r['floor_gbs']:>12.2f}"
             f"{r['ratio_to_floor']:>7.2f}{r.get('restore_s3_gbs', float('nan')):>9.2f}{st:>18.2f}"
         )
-    print("copies of the KV between a stored blob and the cache's tensors: 1 (the transposing copy into the cache buffer; the blob is mmapped, hashed in place, and the layers' tensors are views of that buffer)")
+    print("copies of the KV between a stored blob and the cache's tensors: 1 (the copy into the cache buffer; the blob is mmapped, hashed in place, and the layers' tensors are views of that buffer)")
 
 
 if __name__ == "__main__":
