@@ -244,6 +244,10 @@ def start_seaweedfs(deadline_s: float = 90) -> Iterator[S3Server]:
                 f"-filer.port={filer}",
                 "-s3",
                 f"-s3.port={s3}",
+                # Off: they listen on fixed ports (8181, 9101), so a second server on the
+                # machine (another test run, a benchmark) would die at start.
+                "-s3.port.iceberg=0",
+                "-s3.port.lance=0",
                 f"-filer.localSocket={root}/filer.sock",
                 f"-s3.localSocket={root}/s3.sock",
                 "-volume.max=0",

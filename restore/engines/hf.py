@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import blake3
 import numpy as np
@@ -109,7 +109,7 @@ def check_supported(model: PreTrainedModel) -> None:
         raise UnsupportedModelError(
             f"{name} computes in {model.dtype}; kvc supports float32, float16 and bfloat16"
         )
-    devices = set(getattr(model, "hf_device_map", {}).values() or [])
+    devices = set((getattr(model, "hf_device_map", None) or {}).values())
     if len(devices) > 1:
         raise UnsupportedModelError(
             f"{name} is dispatched over several devices ({sorted(map(str, devices))}); "
@@ -117,25 +117,12 @@ def check_supported(model: PreTrainedModel) -> None:
         )
     if model.device.type == "meta":
         raise UnsupportedModelError(f"{name} has weights on the meta device (not loaded)")
-    kinds = _layer_kinds(model)
-    odd = {i: k for i, k in enumerate(kinds) if k != DynamicLayer.__name__}
-    if odd:
-        layers = ", ".join(f"{i}: {k}" for i, k in list(odd.items())[:6])
+    layers = _full_attention_layers(DynamicCache(config=model.config), name)
+    if len(layers) != _text_config(model).num_hidden_layers:
         raise UnsupportedModelError(
-            f"{name} has layers that are not full attention ({layers}"
-            f"{', ...' if len(odd) > 6 else ''}): sliding-window, chunked, linear or hybrid "
-            "layers keep a KV that kvc cannot restore exactly"
-        )
-    if len(kinds) != _text_config(model).num_hidden_layers:
-        raise UnsupportedModelError(
-            f"{name} caches {len(kinds)} layers for {_text_config(model).num_hidden_layers} "
+            f"{name} caches {len(layers)} layers for {_text_config(model).num_hidden_layers} "
             "hidden layers (shared or missing KV layers are not supported)"
         )
-
-
-def _layer_kinds(model: PreTrainedModel) -> list[str]:
-    # The cache transformers itself would build for this model says what each layer keeps.
-    return [type(layer).__name__ for layer in DynamicCache(config=model.config).layers]
 
 
 def check_cache(cache: object) -> list[DynamicLayer]:
@@ -154,15 +141,18 @@ def check_cache(cache: object) -> list[DynamicLayer]:
     return _full_attention_layers(cache)
 
 
-def _full_attention_layers(cache: DynamicCache) -> list[DynamicLayer]:
-    layers = [layer for layer in cache.layers if type(layer) is DynamicLayer]
-    if len(layers) != len(cache.layers):
-        odd = sorted({type(layer).__name__ for layer in cache.layers} - {"DynamicLayer"})
+def _full_attention_layers(cache: DynamicCache, owner: str = "the cache") -> list[DynamicLayer]:
+    """The cache's layers, if every one is a full-attention `DynamicLayer` (transformers builds
+    other kinds for sliding-window, chunked, linear-attention and hybrid layers)."""
+    odd = {i: type(layer).__name__ for i, layer in enumerate(cache.layers) if type(layer) is not DynamicLayer}
+    if odd:
+        listed = ", ".join(f"{i}: {k}" for i, k in list(odd.items())[:6])
         raise UnsupportedModelError(
-            f"cache layers of kind {', '.join(odd)} are not supported: "
-            "kvc restores full-attention DynamicLayer caches only"
+            f"{owner} has layers that are not full attention ({listed}"
+            f"{', ...' if len(odd) > 6 else ''}): sliding-window, chunked, linear or hybrid "
+            "layers keep a KV that kvc cannot restore exactly"
         )
-    return layers
+    return cast(list[DynamicLayer], cache.layers)
 
 
 # -- identity ----------------------------------------------------------------------
