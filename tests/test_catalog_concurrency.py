@@ -21,11 +21,13 @@ def chain(i: int) -> list[int]:
     return [*SYSTEM, *[(i * 7 + k) % 50 for k in range(i % 3 + 6)], *range(i, i + 9)]
 
 
-def _worker(url: str, seed: int, start: mp.synchronize.Event, rounds: int, out: mp.Queue[str]) -> None:  # type: ignore[name-defined]
+def _worker(url: str, seed: int, start: mp.synchronize.Barrier, rounds: int, out: mp.Queue[str]) -> None:  # type: ignore[name-defined]
     try:
         cat = Catalog.open(url)
         rng = random.Random(seed)
-        start.wait(60)
+        # Every process has started and opened the catalog before any publishes: without
+        # this, one could finish its rounds while another is still importing.
+        start.wait(120)
         for _ in range(rounds):
             recs = chain_records("default", chain(rng.randrange(12)))
             cut = rng.randrange(1, len(recs) + 1)
@@ -34,6 +36,7 @@ def _worker(url: str, seed: int, start: mp.synchronize.Event, rounds: int, out: 
         cat.close()
         out.put("ok")
     except BaseException:
+        start.abort()  # the others stop waiting for this one
         out.put(traceback.format_exc())
 
 
@@ -42,12 +45,11 @@ def run_publishers(url: str, processes: int, rounds: int) -> None:
     setup = Catalog.open(url, upgrade=True)
     setup.ensure_namespace("default", CS)
     setup.close()
-    start = ctx.Event()
+    start = ctx.Barrier(processes)
     out: mp.Queue[str] = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(url, s, start, rounds, out)) for s in range(processes)]
     for p in procs:
         p.start()
-    start.set()
     results = [out.get(timeout=240) for _ in procs]
     for p in procs:
         p.join(30)
