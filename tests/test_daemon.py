@@ -384,8 +384,14 @@ def test_the_timer_drops_quarantined_routes_without_a_refresh(worker: Start, cat
     a, client = configured(worker, "A", invalidation_interval=0.05)
     cp = prefill_and_checkpoint(client, PROMPT)
     other = client.post("/v1/prefill", json={"tokens": [1, 2, 3]}).json()["route"]
-    # The timer runs and, with nothing quarantined, leaves the routes alone.
-    wait_for(lambda: client.get("/v1/stats").json()["invalidation_checks"] >= 2, "two checks")
+    # The timer runs and, with nothing quarantined, leaves the routes alone. Counted from
+    # now: checks made before the routes existed would leave nothing to observe. Of two
+    # more, the second started after this point.
+    checks = client.get("/v1/stats").json()["invalidation_checks"]
+    wait_for(
+        lambda: client.get("/v1/stats").json()["invalidation_checks"] >= checks + 2,
+        "two checks with the routes in the pool",
+    )
     assert sorted(pool_of(a).routes()) == sorted([cp["route"], other])
     assert len(cat.replicas_at("worker:A")) == 4
 
@@ -460,8 +466,11 @@ def test_a_failing_catalog_call_does_not_stop_the_timer(
     flaky = FlakyEvents(cat, failures=3)
     caplog.set_level(logging.WARNING, logger="kvc.daemon")
     a, client = configured(worker, "A", invalidation_interval=0.02, catalog=cast(Catalog, flaky))
+    # The counter moves before the tick logs its warning: wait for both.
     wait_for(
-        lambda: client.get("/v1/stats").json()["invalidation_failures"] == 3, "three failed ticks"
+        lambda: client.get("/v1/stats").json()["invalidation_failures"] == 3
+        and len([r for r in caplog.records if "invalidation check" in r.getMessage()]) == 3,
+        "three failed ticks",
     )
     cp = prefill_and_checkpoint(client, PROMPT)
     quarantine_second_chunk(cat)
