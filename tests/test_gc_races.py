@@ -117,7 +117,14 @@ def test_a_publish_that_extends_a_planned_node_first_spares_it_and_its_ancestors
 def test_a_chunk_re_recorded_since_planning_is_spared(cat: Catalog) -> None:
     first = publish(cat, NS, A[:8])
     plan = plan_gc(cat, NS, max_age_s=0, max_bytes=None, now=later())
-    time.sleep(0.01)  # let the clock move so last_seen_at differs
+    # The re-record must stamp another last_seen_at than the plan holds: wait until the
+    # clock it reads is past the planned one (a fixed sleep hopes a coarse clock moved).
+    planned = [i.last_seen_at for i in plan.items]
+    assert len(planned) == 2 and None not in planned
+    deadline = time.monotonic() + 10
+    while datetime.now(UTC) <= max(t for t in planned if t is not None):
+        assert time.monotonic() < deadline, "the wall clock never passed the planned last_seen_at"
+        time.sleep(0.001)
     again = chain_records(NS, A[:8], receipts=[receipt("file:///second")])
     assert cat.record_chunks(again).already_present == 2
     result = apply_gc(cat, plan, lambda loc, key: True)
