@@ -96,7 +96,12 @@ def run_load(
     workdir: Path,
     sample_every: float = 10.0,
     publish_ratio: float = 0.1,
+    min_ops: dict[str, int] | None = None,
+    max_overrun_s: float = 60.0,
 ) -> LoadResult:
+    """Run `clients` for `seconds`. With `min_ops` (operation -> count) the clients go on
+    past that, for at most `max_overrun_s`, until every count is reached: on a slow machine
+    a fixed time alone does not make a given number of requests."""
     cat = Catalog.open(catalog_url, upgrade=True)
     cat.ensure_namespace("default", CS)
     for i in range(20):  # 20 conversations sharing the system prompt
@@ -128,10 +133,19 @@ def run_load(
         lock = threading.Lock()
         stop_at = time.monotonic() + seconds
 
+        def go_on() -> bool:
+            now = time.monotonic()
+            if now < stop_at:
+                return True
+            if not min_ops or now >= stop_at + max_overrun_s:
+                return False
+            with lock:
+                return any(len(result.ops.get(op, ())) < n for op, n in min_ops.items())
+
         def client(n: int) -> None:
             rng = random.Random(n)
             with RemoteCatalog(base, TOKEN, timeout=30) as rc:
-                while time.monotonic() < stop_at:
+                while go_on():
                     i = rng.randrange(20)
                     if rng.random() < publish_ratio:
                         op = "publish"
@@ -164,7 +178,7 @@ def run_load(
         for t in threads:
             t.start()
         for t in threads:
-            t.join(seconds + 120)
+            t.join(seconds + (max_overrun_s if min_ops else 0) + 120)
         result.seconds = time.monotonic() - t0
         result.rss_end_kb = _rss_kb(server.pid)
     finally:
