@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from restore.engines.hf import HFAdapter, model_fingerprint, save_random_model
 from restore.errors import InputError, UnsupportedModelError
 from tests.hf_worker import CONFIGS, cache_digests, generate, load, prefill
 from tests.services import serve_in_thread
+from tests.store_wrappers import Delegating
 from tests.test_token_exact import corrupt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -351,16 +353,37 @@ def test_a_shard_worker_publishes_and_restores_only_its_layers(
         assert whole.restore(p)[1] == 0  # the whole-model shard was never published
 
 
+class HeldPuts(Delegating):
+    """A store whose puts wait for `go`; `waiting` is set once the first one does."""
+
+    def __init__(self, inner: ChunkStore) -> None:
+        super().__init__(inner)
+        self.waiting = threading.Event()
+        self.go = threading.Event()
+
+    def put(self, key: str, data: Any) -> Any:
+        self.waiting.set()
+        assert self.go.wait(60), "nobody let the put through"
+        return self.inner.put(key, data)
+
+
 def test_submit_checkpoints_in_the_background_while_the_cache_moves_on(
     llama: PreTrainedModel, env: Env
 ) -> None:
     p = prompt(50)
     cache = prefill(llama, p[:40])
     snapshot = cache_digests(cache)
-    with adapter(llama, env) as kv:
+    # The first put waits until the cache has grown: the checkpoint is certainly in flight
+    # (one chunk read from the snapshot, the rest still to read) while the cache moves on.
+    held = HeldPuts(env.store)
+    with HFAdapter(llama, env.catalog, [held], chunk_size=CHUNK) as kv:
         fut = kv.submit(p, cache, speculative=False)
         assert fut is not None
-        generate(llama, p, cache, 5)  # the cache grows while the checkpoint runs
+        try:
+            assert held.waiting.wait(60), "the checkpoint never reached its first put"
+            generate(llama, p, cache, 5)  # the cache grows while the checkpoint runs
+        finally:
+            held.go.set()
         assert fut.result(timeout=60).tokens == 40
         restored, n = kv.restore(p)
     assert n == 40 and cache_digests(restored) == snapshot
