@@ -113,9 +113,12 @@ def main() -> None:
         so some roots are certain to survive the run."""
         if counts["keep"] == 0:
             head = head_of_family()
-            if head is not None and guard("pin", cat.pin, NS, f"keep-{wid}", head) is not None:
-                if guard("create_ref", cat.create_ref, NS, f"keep-{wid}", MODEL.fingerprint, head):
-                    counts["keep"] = 1
+            if (
+                head is not None
+                and guard("pin", cat.pin, NS, f"keep-{wid}", head) is not None
+                and guard("create_ref", cat.create_ref, NS, f"keep-{wid}", MODEL.fingerprint, head)
+            ):
+                counts["keep"] = 1
             return
         refs = guard("list_refs", cat.list_refs, NS) or []
         op = REF_OPS[step % len(REF_OPS)]
