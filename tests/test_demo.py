@@ -72,3 +72,17 @@ def test_demo_model_errors_are_one_line(tmp_path: Path) -> None:
     missing = _kvc("demo", "--engine", "hf", "--model", str(tmp_path / "nope"), home=tmp_path / "h")
     assert missing.returncode == 1, missing.stderr
     assert missing.stderr.startswith("kvc: error: cannot load model") and "Traceback" not in missing.stderr
+
+
+def test_demo_hf_without_torch_says_what_to_install(tmp_path: Path) -> None:
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "from kvc.cli import main\n"
+        "sys.argv = ['kvc', 'demo', '--engine', 'hf']\n"
+        "main()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVC_")}
+    env["KVC_HOME"] = str(tmp_path / "h")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2
+    assert out.stderr.startswith("kvc: error: --engine hf needs torch and transformers: pip install 'kvc[hf]'")
