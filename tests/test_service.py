@@ -22,6 +22,7 @@ from catalog.schema import Replica
 from kvc.remote import RemoteCatalog
 from kvc.service import ChunkRecordModel, create_app, hash_token
 from tests.catalog_helpers import CS, FP, chain_records, kill_gc_after_marking, publish
+from tests.services import serve_in_thread
 
 TOKEN_A = "token-for-namespace-a-7f3c"
 TOKEN_B = "token-for-namespace-b-91d2"
@@ -249,8 +250,11 @@ def test_ref_onto_a_chunk_gc_is_purging_is_409_and_retryable(
     )
     assert r.status_code == 409, r.text
     assert r.json()["error"] == "PurgeInProgressError" and r.headers["retry-after"] == "1"
-    remote = RemoteCatalog("http://testserver", TOKEN_A, namespace="a", transport=client._transport)
-    with remote, pytest.raises(PurgeInProgressError):
+    with (
+        serve_in_thread(client.app) as url,
+        RemoteCatalog(url, TOKEN_A, namespace="a") as remote,
+        pytest.raises(PurgeInProgressError),
+    ):
         remote.create_ref("a", "r", FP, recs[0].prefix_hash)
     assert cat.list_refs("a") == []
 
@@ -309,8 +313,9 @@ def test_remote_catalog_maps_errors_back(client: TestClient, cat: Catalog) -> No
     from catalog.errors import NotFoundError, PublishError, RefConflictError
 
     recs = publish(cat, "a", TOKENS)
-    remote = RemoteCatalog("http://testserver", TOKEN_A, namespace="a", transport=client._transport)
-    with remote:
+    # A real server: the TestClient's transport belongs to whichever httpx it found
+    # (httpx2 when huggingface_hub installed it), not to the httpx RemoteCatalog uses.
+    with serve_in_thread(client.app) as url, RemoteCatalog(url, TOKEN_A, namespace="a") as remote:
         with pytest.raises(NotFoundError):
             remote.get_ref("a", "nope")
         with pytest.raises(NotFoundError):
