@@ -489,10 +489,6 @@ class HFAdapter:
         )
         self.last_restore: RestoreResult | None = None
 
-    @property
-    def chunk_size(self) -> int:
-        return self.checkpointer.chunk_size
-
     def restore(
         self, input_ids: object, *, max_tokens: int | None = None
     ) -> tuple[DynamicCache, int]:
