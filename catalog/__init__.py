@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from catalog.base import CatalogAPI
 from catalog.catalog import Catalog
 from catalog.errors import (
+    AccessDeniedError,
+    CatalogConflictError,
     CatalogError,
+    CatalogInputError,
+    CatalogUnavailableError,
     IdentityError,
     MissingParentError,
     NotFoundError,
+    OutcomeUnknownError,
     PublishError,
     PurgeInProgressError,
     RefConflictError,
@@ -27,9 +33,14 @@ from catalog.models import ChunkMatch, ChunkRecord, Match, ReplicaReceipt, Shard
 
 __all__ = [
     "DTYPES",
+    "AccessDeniedError",
     "AttentionLayout",
     "Catalog",
+    "CatalogAPI",
+    "CatalogConflictError",
     "CatalogError",
+    "CatalogInputError",
+    "CatalogUnavailableError",
     "ChunkMatch",
     "ChunkRecord",
     "Fingerprint",
@@ -37,6 +48,7 @@ __all__ = [
     "Match",
     "MissingParentError",
     "NotFoundError",
+    "OutcomeUnknownError",
     "PublishError",
     "PurgeInProgressError",
     "RefConflictError",

@@ -19,7 +19,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
 from catalog import database
 from catalog.errors import (
-    CatalogError,
+    CatalogInputError,
     IdentityError,
     MissingParentError,
     NotFoundError,
@@ -636,7 +636,7 @@ class Catalog:
         Returns False when there is no such replica (nothing changes then).
         """
         if state not in ("durable", "ready", "corrupt", "missing", "deleting"):
-            raise CatalogError(f"unknown replica state {state!r}")
+            raise CatalogInputError(f"unknown replica state {state!r}")
 
         def run() -> bool:
             with self._write() as conn:
@@ -664,7 +664,9 @@ class Catalog:
 
         return self._retrying(run)
 
-    def touch_verified(self, location: str, blob_keys: Sequence[str]) -> int:
+    def touch_verified(
+        self, location: str, blob_keys: Sequence[str], *, namespace: str | None = None
+    ) -> int:
         """Record that these replicas' bytes were just read back and verified (fsck --read-data)."""
         if not blob_keys:
             return 0
@@ -673,25 +675,53 @@ class Catalog:
             with self._write() as conn:
                 res = conn.execute(
                     sa.update(Replica)
-                    .where(Replica.location == location, Replica.blob_key.in_(sorted(blob_keys)))
+                    .where(
+                        Replica.location == location,
+                        Replica.blob_key.in_(sorted(blob_keys)),
+                        _in_namespace(namespace),
+                    )
                     .values(last_verified_at=utcnow())
                 )
                 return int(res.rowcount)
 
         return self._retrying(run)
 
-    def replicas_at(self, location: str) -> list[str]:
+    def replicas_at(self, location: str, *, namespace: str | None = None) -> list[str]:
         """Blob keys with a replica at `location` (a store name, or `worker:<id>`)."""
         with self.engine.connect() as conn:
             rows = conn.execute(
                 sa.select(Replica.blob_key)
-                .where(Replica.location == location)
+                .where(Replica.location == location, _in_namespace(namespace))
                 .order_by(Replica.blob_key)
             )
             return list(rows.scalars())
 
+    def holds_blob(self, namespace: str, blob_key: str) -> bool:
+        """Whether a chunk of `namespace` has this blob key (the service's tenancy check)."""
+        with self.engine.connect() as conn:
+            found = conn.execute(
+                sa.select(sa.literal(1))
+                .select_from(Chunk)
+                .join(PrefixNode, PrefixNode.prefix_hash == Chunk.prefix_hash)
+                .join(Namespace, Namespace.id == PrefixNode.namespace_id)
+                .where(Chunk.blob_key == blob_key, Namespace.name == namespace)
+                .limit(1)
+            ).first()
+        return found is not None
+
+    def ping(self) -> None:
+        """One round trip to the database (health checks); raises if it cannot be reached."""
+        with self.engine.connect() as conn:
+            conn.execute(sa.select(sa.literal(1)))
+
     def remove_replicas(
-        self, location: str, blob_keys: Sequence[str], *, reason: str, actor: str | None = None
+        self,
+        location: str,
+        blob_keys: Sequence[str],
+        *,
+        reason: str,
+        namespace: str | None = None,
+        actor: str | None = None,
     ) -> int:
         """Forget replicas at `location` (e.g. pages a daemon no longer holds); returns how many."""
         if not blob_keys:
@@ -701,13 +731,15 @@ class Catalog:
             with self._write() as conn:
                 res = conn.execute(
                     sa.delete(Replica).where(
-                        Replica.location == location, Replica.blob_key.in_(sorted(blob_keys))
+                        Replica.location == location,
+                        Replica.blob_key.in_(sorted(blob_keys)),
+                        _in_namespace(namespace),
                     )
                 )
                 self._event(
                     conn,
                     "replica.remove",
-                    None,
+                    namespace,
                     location,
                     actor,
                     {"replicas": res.rowcount, "reason": reason},
@@ -858,7 +890,7 @@ class Catalog:
         limit = n - 1
         if max_tokens is not None:
             if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-                raise CatalogError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
+                raise CatalogInputError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
             limit = min(limit, max_tokens)
         miss = Match(namespace, fp_hex, shard, n)
         if limit <= 0:
@@ -1055,6 +1087,23 @@ class Catalog:
 
         self._retrying(run)
 
+    def demand(self, namespace: str, prefix_hashes: Sequence[bytes]) -> dict[bytes, float]:
+        """The live demand (priority summed over workers) of each of these prefixes that has any."""
+        if not prefix_hashes:
+            return {}
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                sa.select(Demand.prefix_hash, sa.func.sum(Demand.priority))
+                .join(Namespace, Namespace.id == Demand.namespace_id)
+                .where(
+                    Namespace.name == namespace,
+                    Demand.prefix_hash.in_(sorted(set(prefix_hashes))),
+                    Demand.expires_at > utcnow(),
+                )
+                .group_by(Demand.prefix_hash)
+            )
+            return {bytes(h): float(p) for h, p in rows}
+
     # -- pins ------------------------------------------------------------------
 
     def pin(
@@ -1075,9 +1124,9 @@ class Catalog:
         _check_pin_name(name)
         _check_prefix_hash(prefix_hash)
         if ttl_s is not None and not (0 < ttl_s < 1e10):
-            raise CatalogError("a pin's ttl must be a positive number of seconds")
+            raise CatalogInputError("a pin's ttl must be a positive number of seconds")
         if reason is not None and len(reason) > 1024:
-            raise CatalogError("a pin's reason is at most 1024 characters")
+            raise CatalogInputError("a pin's reason is at most 1024 characters")
 
         def run() -> PinInfo:
             with self._write() as conn:
@@ -1437,7 +1486,7 @@ class Catalog:
         """Make a node and all its descendants unrestorable at once; return one directive per replica."""
         _check_prefix_hash(prefix_hash)
         if not reason or not reason.strip():
-            raise CatalogError("a quarantine needs a reason")
+            raise CatalogInputError("a quarantine needs a reason")
 
         def run() -> list[InvalidationDirective]:
             with self._write() as conn:
@@ -1552,6 +1601,18 @@ def _ident(r: ChunkRecord) -> tuple[Any, ...]:
     return (r.fingerprint.hex, r.prefix_hash, s.layer_lo, s.layer_hi, s.head_lo, s.head_hi)
 
 
+def _in_namespace(namespace: str | None) -> Any:
+    """A clause on `Replica` keeping only blobs of `namespace`'s chunks (everything for None)."""
+    if namespace is None:
+        return sa.true()
+    return Replica.blob_key.in_(
+        sa.select(Chunk.blob_key)
+        .join(PrefixNode, PrefixNode.prefix_hash == Chunk.prefix_hash)
+        .join(Namespace, Namespace.id == PrefixNode.namespace_id)
+        .where(Namespace.name == namespace)
+    )
+
+
 def _check_prefix_hash(prefix_hash: Any) -> bytes:
     if not isinstance(prefix_hash, bytes) or len(prefix_hash) != 32:
         raise IdentityError(f"prefix hash must be 32 bytes, got {prefix_hash!r:.80}")
@@ -1646,7 +1707,7 @@ def _sibling_statement() -> Any:
 
 def _check_pin_name(name: str) -> None:
     if not isinstance(name, str) or not name or len(name) > 255 or not name.isprintable():
-        raise CatalogError(f"invalid pin name {name!r:.80}: 1-255 printable characters")
+        raise CatalogInputError(f"invalid pin name {name!r:.80}: 1-255 printable characters")
 
 
 def _check_ref_name(name: str) -> None:
@@ -1656,7 +1717,7 @@ def _check_ref_name(name: str) -> None:
         or len(name) > 255
         or any(c in name for c in "\x00\n\r")
     ):
-        raise CatalogError(f"invalid ref name {name!r:.80}: 1-255 printable characters")
+        raise CatalogInputError(f"invalid ref name {name!r:.80}: 1-255 printable characters")
 
 
 def _prefix_info(row: Any) -> PrefixInfo:

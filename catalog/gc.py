@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy.orm import aliased
 
 from catalog.catalog import Catalog, utcnow
-from catalog.errors import CatalogError, NotFoundError
+from catalog.errors import CatalogInputError, NotFoundError
 from catalog.schema import Chunk, Demand, Event, Lock, Pin, PrefixNode, Ref, Replica
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ def acquire_lock(cat: Catalog, name: str, holder: str, ttl_s: float) -> bool:
     compare-and-swap on its expiry, so of two takers exactly one wins.
     """
     if ttl_s <= 0:
-        raise CatalogError("a lock needs a positive ttl")
+        raise CatalogInputError("a lock needs a positive ttl")
 
     def run() -> bool:
         with cat._write() as conn:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Literal, NamedTuple
 
-from catalog.errors import CatalogError
+from catalog.errors import CatalogInputError
 from catalog.identity import AttentionLayout, Fingerprint
 
 Tier = Literal["resident", "local", "object"]
@@ -29,9 +29,9 @@ class Shard:
         for name in ("layer_lo", "layer_hi", "head_lo", "head_hi"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**31:
-                raise CatalogError(f"Shard.{name} must be an int in [0, 2**31), got {v!r}")
+                raise CatalogInputError(f"Shard.{name} must be an int in [0, 2**31), got {v!r}")
         if self.layer_hi <= self.layer_lo or self.head_hi <= self.head_lo:
-            raise CatalogError(f"empty shard {self}: ranges are [lo, hi) with hi > lo")
+            raise CatalogInputError(f"empty shard {self}: ranges are [lo, hi) with hi > lo")
 
     @classmethod
     def full(cls, layout: AttentionLayout) -> Shard:
@@ -39,7 +39,7 @@ class Shard:
 
     def check_within(self, layout: AttentionLayout) -> None:
         if self.layer_hi > layout.num_layers or self.head_hi > layout.num_kv_heads:
-            raise CatalogError(
+            raise CatalogInputError(
                 f"shard {self} exceeds the fingerprint's layout "
                 f"({layout.num_layers} layers, {layout.num_kv_heads} kv heads)"
             )
