@@ -12,7 +12,8 @@ from typing import Any, Literal
 import sqlalchemy as sa
 from sqlalchemy.orm import aliased
 
-from catalog.catalog import Catalog, utcnow
+from catalog.catalog import Catalog
+from catalog.clock import utcnow
 from catalog.errors import CatalogInputError, NotFoundError
 from catalog.schema import Chunk, Demand, Event, Lock, Pin, PrefixNode, Ref, Replica
 
@@ -39,16 +40,16 @@ def acquire_lock(cat: Catalog, name: str, holder: str, ttl_s: float) -> bool:
         raise CatalogInputError("a lock needs a positive ttl")
 
     def run() -> bool:
-        with cat._write() as conn:
+        with cat.db.write() as conn:
             now = utcnow()
             expires = now + timedelta(seconds=ttl_s)
             ins = (
-                cat._insert(conn, Lock)
+                cat.db.insert(conn, Lock)
                 .values(name=name, holder=holder, acquired_at=now, expires_at=expires)
                 .on_conflict_do_nothing(index_elements=["name"])
             )
             if conn.execute(ins).rowcount == 1:
-                cat._event(conn, "lock.acquire", None, name, holder, {"ttl_s": ttl_s})
+                cat.db.event(conn, "lock.acquire", None, name, holder, {"ttl_s": ttl_s})
                 return True
             row = conn.execute(
                 sa.select(Lock.holder, Lock.expires_at).where(Lock.name == name)
@@ -70,7 +71,7 @@ def acquire_lock(cat: Catalog, name: str, holder: str, ttl_s: float) -> bool:
             if res.rowcount != 1:
                 return False
             if row.holder != holder:
-                cat._event(
+                cat.db.event(
                     conn,
                     "lock.takeover",
                     None,
@@ -80,25 +81,25 @@ def acquire_lock(cat: Catalog, name: str, holder: str, ttl_s: float) -> bool:
                 )
             return True
 
-    return cat._retrying(run)
+    return cat.db.retrying(run)
 
 
 def release_lock(cat: Catalog, name: str, holder: str) -> bool:
     """Give the lease back; False when `holder` does not hold it (it expired and was taken)."""
 
     def run() -> bool:
-        with cat._write() as conn:
+        with cat.db.write() as conn:
             res = conn.execute(sa.delete(Lock).where(Lock.name == name, Lock.holder == holder))
             if res.rowcount == 1:
-                cat._event(conn, "lock.release", None, name, holder, {})
+                cat.db.event(conn, "lock.release", None, name, holder, {})
             return bool(res.rowcount == 1)
 
-    return cat._retrying(run)
+    return cat.db.retrying(run)
 
 
 def lock_holder(cat: Catalog, name: str) -> tuple[str, datetime] | None:
     """Who holds the lease `name` and until when (None when nobody does)."""
-    with cat.engine.connect() as conn:
+    with cat.db.read() as conn:
         row = conn.execute(sa.select(Lock.holder, Lock.expires_at).where(Lock.name == name)).first()
     return None if row is None else (row.holder, row.expires_at)
 
@@ -276,8 +277,8 @@ def plan_gc(
     fingerprint and shard) go together; its value is their summed access count, then
     their latest use (access, or creation when never accessed).
     """
-    with cat.engine.connect() as conn:
-        ns = cat._namespace(conn, namespace)
+    with cat.db.read() as conn:
+        ns = cat.db.namespace(conn, namespace)
         if ns is None:
             raise NotFoundError(f"no namespace {namespace!r}")
         nodes = _load(cat, conn, ns[0])
@@ -445,9 +446,9 @@ def apply_gc(
     items = list(plan.items)
 
     def mark() -> tuple[list[GcItem], dict[str, list[str]]]:
-        with cat._write() as conn:
+        with cat.db.write() as conn:
             now = utcnow()
-            ns = cat._namespace(conn, ns_name)
+            ns = cat.db.namespace(conn, ns_name)
             if ns is None:
                 raise NotFoundError(f"no namespace {ns_name!r}")
             # 1. Lock the planned rows, in id order (as publishers lock theirs).
@@ -499,7 +500,7 @@ def apply_gc(
             replicas = _mark_deleting(conn, live, ids, result, ns_name, actor, now)
             return live, replicas
 
-    live, replicas = cat._retrying(mark)
+    live, replicas = cat.db.retrying(mark)
     _delete_and_drop(cat, ns_name, live, replicas, delete_blob, result, actor, progress)
     return result
 
@@ -580,7 +581,7 @@ def _delete_and_drop(
 
     # Drop rows: deleted replicas, the chunks, and prefix nodes left empty and childless.
     def drop() -> tuple[int, int]:
-        with cat._write() as conn:
+        with cat.db.write() as conn:
             now = utcnow()
             by_loc: dict[str, list[str]] = {}
             for loc, key in gone:
@@ -658,7 +659,7 @@ def _delete_and_drop(
                     for loc, key in gone
                 ],
             )
-            cat._event(
+            cat.db.event(
                 conn,
                 "gc",
                 ns_name,
@@ -675,7 +676,7 @@ def _delete_and_drop(
             )
             return removed, prefixes
 
-    removed, prefixes = cat._retrying(drop)
+    removed, prefixes = cat.db.retrying(drop)
     result.chunks_removed += removed
     result.prefixes_removed += prefixes
 
@@ -696,7 +697,7 @@ def resume_gc(
     result = GcResult()
 
     def mark() -> tuple[list[GcItem], dict[str, list[str]]]:
-        with cat._write() as conn:
+        with cat.db.write() as conn:
             now = utcnow()
             live = [
                 GcItem(
@@ -735,7 +736,7 @@ def resume_gc(
             result.resumed = len(live) + sum(len(v) for v in replicas.values())
             return live, replicas
 
-    live, replicas = cat._retrying(mark)
+    live, replicas = cat.db.retrying(mark)
     if live or replicas:
         log.info(
             "gc: resuming %d purging chunk(s), %d blob(s) being deleted", len(live), len(replicas)

@@ -223,6 +223,13 @@ def _token_bytes(tokens: Sequence[int] | np.ndarray[Any, Any]) -> bytes:
     return token_array(tokens).tobytes()
 
 
+def check_prefix_hash(prefix_hash: Any) -> bytes:
+    """`prefix_hash` if it is a 32-byte chain hash, else `IdentityError`."""
+    if not isinstance(prefix_hash, bytes) or len(prefix_hash) != 32:
+        raise IdentityError(f"prefix hash must be 32 bytes, got {prefix_hash!r:.80}")
+    return prefix_hash
+
+
 def chain_hash(parent: bytes, tokens: Sequence[int] | np.ndarray[Any, Any]) -> bytes:
     """The prefix hash of a chunk: commits to its parent's hash and its own token ids."""
     if not isinstance(parent, bytes) or len(parent) != HASH_SIZE:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
+import numpy as np
 from sqlalchemy import (
     JSON,
     BigInteger,
@@ -27,7 +29,6 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 HEAD_TOKENS = 32
 
 # Bumped with every migration; a database whose alembic revision differs is refused.
-SCHEMA_REVISION = "0003"
 
 NAMING = {
     "ix": "ix_%(column_0_label)s",
@@ -88,6 +89,16 @@ class FingerprintRow(Base):
     created_at: Mapped[datetime]
 
 
+def tokens_to_be(tokens: Sequence[int] | np.ndarray[Any, Any]) -> bytes:
+    """Big-endian uint32 token ids: byte order equals token order (see PrefixNode)."""
+    return np.asarray(tokens, dtype=np.int64).astype(">u4").tobytes()
+
+
+def be_to_tokens(data: bytes) -> tuple[int, ...]:
+    """The token ids `tokens_to_be` encoded."""
+    return tuple(int(t) for t in np.frombuffer(data, dtype=">u4"))
+
+
 class PrefixNode(Base):
     """A chunk's place in a namespace's prefix tree: its tokens and the prefix it extends.
 
@@ -95,7 +106,7 @@ class PrefixNode(Base):
     order: the stored sibling sharing the longest prefix with a query is one of
     its two neighbours in that order. The index holds only `tokens_head`, the
     first HEAD_TOKENS ids (a full 1 KiB key would overflow SQLite's index pages
-    and quadruple the index); see Catalog._best_sibling for how both are used.
+    and quadruple the index); see catalog.lookup for how both are used.
     """
 
     __tablename__ = "prefixes"

@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 from pydantic import BaseModel
 
-from catalog.catalog import DEFAULT_CHUNK_SIZE
+from catalog.base import DEFAULT_CHUNK_SIZE
 from catalog.errors import (
     CatalogError,
     IdentityError,

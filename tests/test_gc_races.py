@@ -24,6 +24,8 @@ import sqlalchemy as sa
 from catalog.catalog import Catalog
 from catalog.errors import PurgeInProgressError
 from catalog.gc import apply_gc, plan_gc, resume_gc
+from catalog.publish import record_in
+from catalog.transactions import hold
 from chunkstore import ChunkStore, open_store
 from chunkstore.errors import BlobNotFoundError
 from restore.checkpoint import Checkpointer
@@ -147,9 +149,9 @@ def test_gc_that_waited_sees_a_child_committed_by_the_lock_holder(catalog_url: s
         gc = threading.Thread(
             target=lambda: done.update(r=apply_gc(cat, plan, lambda loc, key: True))
         )
-        with cat._write() as conn:
+        with cat.db.write() as conn:
             # The publish's own transaction: hold a2, start the GC, insert a3 and commit.
-            cat._hold(conn, {a3.parent_hash}, "test")
+            hold(conn, {a3.parent_hash}, "test")
             gc.start()
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:
@@ -164,7 +166,7 @@ def test_gc_that_waited_sees_a_child_committed_by_the_lock_holder(catalog_url: s
                 time.sleep(0.02)
             else:
                 pytest.fail("the GC's mark never waited for the publish's row lock")
-            cat._record_in(conn, [a3], None)
+            record_in(cat.db, conn, [a3], None)
         gc.join(30)
         assert not gc.is_alive()
         assert done["r"].skipped == 2 and done["r"].chunks_removed == 0

@@ -1,0 +1,313 @@
+"""Lookup: the longest restorable prefix of a prompt in a constant number of round trips (section 5)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import sqlalchemy as sa
+
+from catalog.errors import (
+    CatalogInputError,
+)
+from catalog.identity import (
+    Fingerprint,
+    chain_root,
+    fingerprint_hex,
+    prefix_hashes,
+    token_array,
+)
+from catalog.models import (
+    TIERS,
+    USABLE_STATES,
+    ChunkMatch,
+    Match,
+    ReplicaInfo,
+    Shard,
+)
+from catalog.schema import (
+    HEAD_TOKENS,
+    Chunk,
+    Hash,
+    PrefixNode,
+    Replica,
+)
+from catalog.transactions import Database
+
+if TYPE_CHECKING:
+    from catalog.access import AccessLog
+
+log = logging.getLogger(__name__)
+
+
+class Lookups:
+    """`lookup`: token-exact, partial last chunk, replicas best tier first."""
+
+    db: Database
+    _access: AccessLog
+
+    def lookup(
+        self,
+        namespace: str,
+        fingerprint: Fingerprint | str,
+        tokens: Sequence[int] | np.ndarray[Any, Any],
+        shard: Shard | None = None,
+        max_tokens: int | None = None,
+    ) -> Match:
+        """The longest restorable prefix of `tokens` (at most len - 1) and the chunks covering it.
+
+        Two round trips at most, whatever the prompt length: every full chunk
+        of the prompt at once, then the best partial sibling where the chain
+        ends (namespaces and fingerprints are cached: they never change).
+        Pass tokens as a uint32 numpy array to skip converting a list.
+        """
+        fp_hex = fingerprint_hex(fingerprint)
+        tok = token_array(tokens)  # validates, with clear errors
+        root = chain_root(namespace)  # validates the namespace
+        n = int(tok.size)
+        limit = n - 1
+        if max_tokens is not None:
+            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+                raise CatalogInputError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
+            limit = min(limit, max_tokens)
+        miss = Match(namespace, fp_hex, shard, n)
+        if limit <= 0:
+            return miss
+        with self.db.read() as conn:
+            ns = self.db.namespace(conn, namespace)
+            if ns is None:
+                return miss
+            cs = ns[1]
+            if shard is None:
+                fp = self.db.fingerprint(conn, fp_hex)
+                if fp is None:
+                    return miss
+                shard = Shard.full(fp.layout)
+            # Full chunks that can serve at least one position below the limit.
+            n_full = min(n // cs, -(-limit // cs))
+            full = prefix_hashes(namespace, tok, cs, max_chunks=n_full) if n_full else []
+            found = self._chunks_for(conn, fp_hex, shard, full)
+            chunks: list[ChunkMatch] = []
+            matched = 0
+            parent = root
+            for i, h in enumerate(full):
+                row = found.get(h)
+                if row is None:
+                    break
+                used = min(cs, limit - i * cs)
+                chunks.append(_chunk_match(row, used))
+                matched = i * cs + used
+                parent = h
+                if used < cs:
+                    break
+            if matched < limit and matched % cs == 0:
+                q_be = tok[matched : matched + cs].astype(">u4").tobytes()
+                partial = self._best_sibling(conn, fp_hex, shard, parent, q_be)
+                if partial is not None:
+                    used = min(partial[1], limit - matched)
+                    chunks.append(_chunk_match(partial[0], used))
+                    matched += used
+        if chunks:
+            self._access.note([c.prefix_hash for c in chunks], fp_hex, shard)
+        return Match(namespace, fp_hex, shard, n, matched, tuple(chunks))
+
+    def _chunks_for(
+        self, conn: sa.Connection, fp_hex: str, shard: Shard, hashes: list[bytes]
+    ) -> dict[bytes, _ChunkRow]:
+        if not hashes:
+            return {}
+        # The hot query of a lookup, as plain driver SQL: with hundreds of
+        # hashes, building and expanding a SQLAlchemy IN costs more than the
+        # query itself. PostgreSQL takes the hashes as one bytea[] parameter.
+        where = " AND ".join(
+            [
+                "c.fingerprint = {p}",
+                "c.layer_lo = {p}",
+                "c.layer_hi = {p}",
+                "c.head_lo = {p}",
+                "c.head_hi = {p}",
+                "c.state = 'ready'",
+                "p.quarantined = {false}",
+                "r.state IN ('durable', 'ready')",
+            ]
+        )
+        params: tuple[Any, ...]
+        ident = (fp_hex, shard.layer_lo, shard.layer_hi, shard.head_lo, shard.head_hi)
+        if conn.dialect.name == "sqlite":
+            marks = ",".join("?" * len(hashes))
+            sql = _HOT_SQL.format(hashes=f"IN ({marks})", where=where.format(p="?", false="0"))
+            params = (*hashes, *ident)
+        else:
+            sql = _HOT_SQL.format(hashes="= ANY(%s)", where=where.format(p="%s", false="false"))
+            params = (hashes, *ident)
+        return _group(conn.exec_driver_sql(sql, params).all())
+
+    def _best_sibling(
+        self, conn: sa.Connection, fp_hex: str, shard: Shard, parent: bytes, q_be: bytes
+    ) -> tuple[_ChunkRow, int] | None:
+        rows = conn.execute(
+            _sibling_statement(),
+            {
+                "fp": fp_hex,
+                "layer_lo": shard.layer_lo,
+                "layer_hi": shard.layer_hi,
+                "head_lo": shard.head_lo,
+                "head_hi": shard.head_hi,
+                "parent": parent,
+                "q_head": q_be[: 4 * HEAD_TOKENS],
+                "q_be": q_be,
+            },
+        ).all()
+        tokens_of = {r.prefix_hash: r.tokens_be for r in rows}
+        best: tuple[_ChunkRow, int] | None = None
+        for h, row in sorted(_group(rows).items()):
+            shared = _common_prefix(q_be, tokens_of[h])
+            if shared > (best[1] if best else 0):
+                best = (row, shared)
+        return best
+
+
+def _common_prefix(a: bytes, b: bytes) -> int:
+    """Number of leading uint32 tokens shared by two big-endian token strings."""
+    n = min(len(a), len(b)) // 4
+    if n == 0:
+        return 0
+    x = np.frombuffer(a, dtype=">u4", count=n)
+    y = np.frombuffer(b, dtype=">u4", count=n)
+    diff = np.flatnonzero(x != y)
+    return int(diff[0]) if diff.size else n
+
+
+@functools.cache
+def _sibling_statement() -> Any:
+    """The best-sibling probe of a lookup, built once with bind parameters.
+
+    The sibling sharing the longest prefix with q is q's neighbour in token order.
+    The index orders siblings by their first HEAD_TOKENS ids only: two probes find
+    the neighbours by that head, and two more order just the siblings whose head
+    equals q's by their full token ids (the rare case of siblings agreeing on their
+    first HEAD_TOKENS tokens). All in one statement, so one round trip. Built once
+    (not per lookup) so SQLAlchemy's compiled cache and psycopg's prepared
+    statements apply: building it cost more than running it.
+    """
+    fp = sa.bindparam("fp", type_=sa.String())
+    layer_lo, layer_hi, head_lo, head_hi = (
+        sa.bindparam(name, type_=sa.Integer())
+        for name in ("layer_lo", "layer_hi", "head_lo", "head_hi")
+    )
+    q_head = sa.bindparam("q_head", type_=Hash)
+    q_be = sa.bindparam("q_be", type_=sa.LargeBinary())
+    ident = (
+        Chunk.fingerprint == fp,
+        Chunk.layer_lo == layer_lo,
+        Chunk.layer_hi == layer_hi,
+        Chunk.head_lo == head_lo,
+        Chunk.head_hi == head_hi,
+        Chunk.state == "ready",
+    )
+    usable = (
+        sa.select(sa.literal(1))
+        .select_from(Chunk)
+        .join(Replica, Replica.blob_key == Chunk.blob_key)
+        .where(
+            Chunk.prefix_hash == PrefixNode.prefix_hash,
+            *ident,
+            Replica.state.in_(USABLE_STATES),
+        )
+        .exists()
+    )
+    base = sa.select(PrefixNode.prefix_hash).where(
+        PrefixNode.parent_hash == sa.bindparam("parent", type_=Hash),
+        PrefixNode.quarantined.is_(False),
+        usable,
+    )
+    head, full = PrefixNode.tokens_head, PrefixNode.tokens_be
+    same = base.where(head == q_head)
+    probes = [
+        base.where(head <= q_head).order_by(head.desc()).limit(1),
+        base.where(head > q_head).order_by(head.asc()).limit(1),
+        same.where(full <= q_be).order_by(full.desc()).limit(1),
+        same.where(full > q_be).order_by(full.asc()).limit(1),
+    ]
+    # At most four candidates, computed once: materialized, so that no plan (say one
+    # made on a young table's stale statistics) re-runs the probes per chunk row.
+    candidates = (
+        sa.union_all(*(sa.select(p.subquery()) for p in probes))
+        .cte("sibling_candidates")
+        .prefix_with("MATERIALIZED", dialect="postgresql")
+    )
+    return (
+        sa.select(
+            Chunk.prefix_hash,
+            PrefixNode.parent_hash,
+            Chunk.blob_key,
+            PrefixNode.token_start,
+            PrefixNode.token_count,
+            Chunk.codec,
+            Chunk.stored_bytes,
+            Chunk.kv_bytes,
+            Replica.location,
+            Replica.tier,
+            Replica.state,
+            Replica.size,
+            Replica.worker,
+            PrefixNode.tokens_be,
+        )
+        .join(PrefixNode, PrefixNode.prefix_hash == Chunk.prefix_hash)
+        .join(Replica, Replica.blob_key == Chunk.blob_key)
+        .where(
+            *ident,
+            PrefixNode.quarantined.is_(False),
+            Replica.state.in_(USABLE_STATES),
+            Chunk.prefix_hash.in_(sa.select(candidates.c.prefix_hash)),
+        )
+    )
+
+
+_ChunkRow = tuple[Any, tuple[ReplicaInfo, ...]]
+
+
+def _chunk_match(row: _ChunkRow, used: int) -> ChunkMatch:
+    r, replicas = row
+    return ChunkMatch(
+        r.prefix_hash,
+        r.parent_hash,
+        r.blob_key,
+        r.token_start,
+        r.token_count,
+        used,
+        r.codec,
+        r.stored_bytes,
+        r.kv_bytes,
+        replicas,
+    )
+
+
+def _group(rows: Sequence[Any]) -> dict[bytes, _ChunkRow]:
+    """Fold chunk x replica rows into one entry per chunk, replicas best tier first."""
+    out: dict[bytes, _ChunkRow] = {}
+    for r in rows:
+        h = r.prefix_hash
+        rep = ReplicaInfo(r.location, r.tier, r.state, r.size, r.worker)
+        prev = out.get(h)
+        if prev is None:
+            out[h] = (r, (rep,))
+        else:
+            reps = sorted((*prev[1], rep), key=lambda x: (_TIER_RANK.get(x.tier, 99), x.location))
+            out[h] = (prev[0], tuple(reps))
+    return out
+
+
+_HOT_SQL = (
+    "SELECT c.prefix_hash, p.parent_hash, c.blob_key, p.token_start, p.token_count, c.codec,"
+    " c.stored_bytes, c.kv_bytes, r.location, r.tier, r.state, r.size, r.worker"
+    " FROM chunks c JOIN prefixes p ON p.prefix_hash = c.prefix_hash"
+    " JOIN replicas r ON r.blob_key = c.blob_key"
+    " WHERE c.prefix_hash {hashes} AND {where}"
+)
+
+
+_TIER_RANK = {t: i for i, t in enumerate(TIERS)}

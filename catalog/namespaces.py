@@ -1,0 +1,137 @@
+"""Namespaces, fingerprints, counts and the event history."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import sqlalchemy as sa
+
+from catalog.base import DEFAULT_CHUNK_SIZE
+from catalog.identity import (
+    Fingerprint,
+    fingerprint_hex,
+)
+from catalog.models import (
+    EventInfo,
+)
+from catalog.schema import (
+    Chunk,
+    Event,
+    PrefixNode,
+    Ref,
+    Replica,
+)
+from catalog.transactions import Database
+
+log = logging.getLogger(__name__)
+
+
+class Namespaces:
+    """Namespaces and fingerprints (created on first use, cached), statistics and history."""
+
+    db: Database
+
+    def ensure_namespace(self, name: str, chunk_size: int = DEFAULT_CHUNK_SIZE) -> int:
+        """Create the namespace if needed; return its chunk size (fixed at creation)."""
+
+        def run() -> int:
+            with self.db.write() as conn:
+                ns = self.db.namespace(conn, name, create_chunk_size=chunk_size)
+                assert ns is not None
+                return ns[1]
+
+        return self.db.retrying(run)
+
+    def namespace_chunk_size(self, name: str) -> int | None:
+        with self.db.read() as conn:
+            ns = self.db.namespace(conn, name)
+        return None if ns is None else ns[1]
+
+    def register_fingerprint(self, fp: Fingerprint) -> None:
+        def run() -> None:
+            with self.db.write() as conn:
+                self.db.ensure_fingerprint(conn, fp)
+
+        self.db.retrying(run)
+
+    def get_fingerprint(self, fp: Fingerprint | str) -> Fingerprint | None:
+        """The catalogued fingerprint (with its descriptor), or None."""
+        with self.db.read() as conn:
+            return self.db.fingerprint(conn, fingerprint_hex(fp))
+
+    def stats(self, namespace: str | None = None) -> dict[str, Any]:
+        """Counts and bytes for a namespace (or all): chunks, prefixes, refs, replicas by state."""
+        with self.db.read() as conn:
+            ns_filter: Any = sa.true()
+            if namespace is not None:
+                ns = self.db.namespace(conn, namespace)
+                if ns is None:
+                    return {
+                        "namespace": namespace,
+                        "chunks": 0,
+                        "prefixes": 0,
+                        "refs": 0,
+                        "stored_bytes": 0,
+                        "kv_bytes": 0,
+                        "replicas": {},
+                    }
+                ns_filter = PrefixNode.namespace_id == ns[0]
+            chunks = conn.execute(
+                sa.select(
+                    sa.func.count(),
+                    sa.func.coalesce(sa.func.sum(Chunk.stored_bytes), 0),
+                    sa.func.coalesce(sa.func.sum(Chunk.kv_bytes), 0),
+                )
+                .select_from(Chunk)
+                .join(PrefixNode, PrefixNode.prefix_hash == Chunk.prefix_hash)
+                .where(ns_filter)
+            ).one()
+            prefixes = conn.execute(
+                sa.select(sa.func.count()).select_from(PrefixNode).where(ns_filter)
+            ).scalar_one()
+            refs_q = sa.select(sa.func.count()).select_from(Ref)
+            if namespace is not None:
+                refs_q = refs_q.join(PrefixNode, PrefixNode.prefix_hash == Ref.head_hash).where(
+                    ns_filter
+                )
+            refs = conn.execute(refs_q).scalar_one()
+            by_state = conn.execute(
+                sa.select(Replica.state, sa.func.count())
+                .where(
+                    Replica.blob_key.in_(
+                        sa.select(Chunk.blob_key)
+                        .join(PrefixNode, PrefixNode.prefix_hash == Chunk.prefix_hash)
+                        .where(ns_filter)
+                    )
+                )
+                .group_by(Replica.state)
+            ).all()
+        return {
+            "namespace": namespace,
+            "chunks": int(chunks[0]),
+            "stored_bytes": int(chunks[1]),
+            "kv_bytes": int(chunks[2]),
+            "prefixes": int(prefixes),
+            "refs": int(refs),
+            "replicas": {state: int(n) for state, n in by_state},
+        }
+
+    def events(
+        self,
+        *,
+        namespace: str | None = None,
+        kind: str | None = None,
+        since_seq: int = 0,
+        limit: int = 1000,
+    ) -> list[EventInfo]:
+        q = sa.select(Event).where(Event.seq > since_seq).order_by(Event.seq).limit(limit)
+        if namespace is not None:
+            q = q.where(Event.namespace == namespace)
+        if kind is not None:
+            q = q.where(Event.kind == kind)
+        with self.db.read() as conn:
+            rows = conn.execute(q).all()
+        return [
+            EventInfo(r.seq, r.at, r.kind, r.namespace, r.subject, r.actor, r.details) for r in rows
+        ]

@@ -1,0 +1,235 @@
+"""The catalog's database handle: reads, write transactions with retries, shared caches, events.
+
+`Database` is the internal interface every catalog module (and `catalog.gc`)
+builds on; nothing outside `catalog/` uses it. It owns:
+
+- `read()`: a connection for queries;
+- `write()`: a write transaction (SQLite takes the write lock up front with
+  `BEGIN IMMEDIATE`); callbacks registered with `after_commit` run once it commits;
+- `retrying(fn)`: runs `fn` (which opens its own `write()`) again on deadlocks,
+  serialization failures and a busy SQLite;
+- `hold(conn, prefixes, what)`: share-lock chunk rows against a concurrent GC purge;
+- the namespace and fingerprint caches (filled only after a commit), `insert`
+  (the dialect's INSERT, for ON CONFLICT) and `event` (one history row).
+
+Errors: an unreachable or failing database is `CatalogUnavailableError` (the
+transaction did not commit); a connection lost while committing is
+`OutcomeUnknownError`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+
+from catalog import database
+from catalog.clock import utcnow
+from catalog.errors import CatalogUnavailableError, OutcomeUnknownError, PurgeInProgressError
+from catalog.identity import Fingerprint, chain_root
+from catalog.schema import Chunk, Event, FingerprintRow, Namespace
+
+T = TypeVar("T")
+
+_AFTER_COMMIT = "kvc_after_commit"  # conn.info key: callbacks run once the write commits
+_RETRYABLE_PG = {"40001", "40P01"}  # serialization failure, deadlock detected
+
+
+def _busy(exc: DBAPIError) -> bool:
+    """A conflict that rolled the transaction back and goes away on retry."""
+    code = getattr(exc.orig, "sqlstate", None) or getattr(exc.orig, "pgcode", None)
+    return "database is locked" in str(exc.orig) or code in _RETRYABLE_PG
+
+
+def _unreachable(exc: DBAPIError) -> bool:
+    """The database could not be reached or stopped answering (not a bug in a statement)."""
+    return exc.connection_invalidated or isinstance(exc, (OperationalError, InterfaceError))
+
+
+def hold(conn: sa.Connection, hashes: set[bytes], what: str) -> list[Any]:
+    """Lock the chunk rows of these prefix nodes and refuse if GC is purging any of them.
+
+    On PostgreSQL the rows are share-locked (`FOR KEY SHARE`, in id order) until
+    the transaction ends: that conflicts with GC's `FOR UPDATE` mark, so GC waits
+    for this transaction (and then sees what it added), while publishes extending
+    the same parent (a shared system prompt) do not wait for each other. SQLite's
+    single writer is exclusive anyway.
+    """
+    if not hashes:
+        return []
+    rows = conn.execute(
+        sa.select(Chunk.id, Chunk.prefix_hash, Chunk.state)
+        .where(Chunk.prefix_hash.in_(sorted(hashes)))
+        .order_by(Chunk.id)
+        .with_for_update(read=True, key_share=True)
+    ).all()
+    purging = tuple(sorted({r.prefix_hash for r in rows if r.state == "purging"}))
+    if purging:
+        raise PurgeInProgressError(
+            f"prefix {purging[0].hex()} {what} is being purged by GC; "
+            "nothing was changed: retry once the GC run finishes",
+            purging,
+        )
+    return list(rows)
+
+
+class Database:
+    """One engine and what every catalog module shares; safe for many threads."""
+
+    def __init__(self, engine: Engine, url: str) -> None:
+        self.engine = engine
+        self.url = database.safe_url(url)
+        self._writer = engine.execution_options(kvc_write=True)
+        self._ns_cache: dict[str, tuple[int, int]] = {}
+        self._fp_cache: dict[str, Fingerprint] = {}
+
+    def _unavailable(self, exc: DBAPIError) -> CatalogUnavailableError:
+        detail = str(exc.orig or exc).splitlines()[0] if str(exc.orig or exc) else ""
+        return CatalogUnavailableError(
+            f"catalog {self.url} is unavailable: {type(exc.orig or exc).__name__}: {detail:.200}"
+        )
+
+    @contextmanager
+    def read(self) -> Iterator[sa.Connection]:
+        """A connection for queries (no transaction is left open after the block)."""
+        try:
+            with self.engine.connect() as conn:
+                yield conn
+        except DBAPIError as exc:
+            if _unreachable(exc):
+                raise self._unavailable(exc) from exc
+            raise
+
+    @contextmanager
+    def write(self) -> Iterator[sa.Connection]:
+        """A write transaction: committed when the block ends, rolled back if it raises."""
+        pending: list[Callable[[], None]] = []
+        with self._writer.connect() as conn:
+            tx = conn.begin()
+            conn.info[_AFTER_COMMIT] = pending
+            try:
+                yield conn
+            except BaseException:
+                if tx.is_active:
+                    tx.rollback()
+                raise
+            finally:
+                conn.info.pop(_AFTER_COMMIT, None)
+            try:
+                tx.commit()
+            except DBAPIError as exc:
+                if _busy(exc) or not _unreachable(exc):
+                    raise  # rolled back: `retrying` runs it again, or it is a bug
+                raise OutcomeUnknownError(
+                    f"catalog {self.url}: the connection was lost while committing; "
+                    "the change may or may not have landed"
+                ) from exc
+        for fn in pending:  # committed: now the caches may learn what it created
+            fn()
+
+    @staticmethod
+    def after_commit(conn: sa.Connection, fn: Callable[[], None]) -> None:
+        """Run `fn` once `conn`'s write transaction commits (never if it rolls back)."""
+        pending = conn.info.get(_AFTER_COMMIT)
+        if pending is None:  # not in a write transaction: nothing this created can roll back
+            fn()
+        else:
+            pending.append(fn)
+
+    def retrying(self, fn: Callable[[], T], attempts: int = 8) -> T:
+        """Run a write transaction, retrying deadlocks, serialization failures and busy SQLite."""
+        for attempt in range(attempts):
+            try:
+                return fn()
+            except DBAPIError as exc:
+                if _busy(exc) and attempt < attempts - 1:
+                    time.sleep(min(0.5, 0.01 * 2**attempt))
+                    continue
+                if _busy(exc) or _unreachable(exc):
+                    raise self._unavailable(exc) from exc
+                raise
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def insert(conn: sa.Connection, table: Any) -> Any:
+        """The dialect's INSERT for `table` (it has `on_conflict_do_nothing/update`)."""
+        dialect = sqlite if conn.dialect.name == "sqlite" else postgresql
+        return dialect.insert(table)
+
+    def namespace(
+        self, conn: sa.Connection, name: str, *, create_chunk_size: int | None = None
+    ) -> tuple[int, int] | None:
+        """(id, chunk size) of a namespace, created with `create_chunk_size` if given; else None."""
+        cached = self._ns_cache.get(name)
+        if cached is not None:
+            return cached
+        row = conn.execute(
+            sa.select(Namespace.id, Namespace.chunk_size).where(Namespace.name == name)
+        ).first()
+        if row is None and create_chunk_size is not None:
+            chain_root(name)  # validates the name
+            conn.execute(
+                self.insert(conn, Namespace)
+                .values(name=name, chunk_size=create_chunk_size, created_at=utcnow())
+                .on_conflict_do_nothing(index_elements=["name"])
+            )
+            row = conn.execute(
+                sa.select(Namespace.id, Namespace.chunk_size).where(Namespace.name == name)
+            ).first()
+        if row is None:
+            return None
+        found = (row[0], row[1])
+        self.after_commit(conn, lambda: self._ns_cache.__setitem__(name, found))
+        return found
+
+    def ensure_fingerprint(self, conn: sa.Connection, fp: Fingerprint) -> None:
+        """Store the fingerprint's descriptor if it is not catalogued yet."""
+        if fp.hex in self._fp_cache:
+            return
+        conn.execute(
+            self.insert(conn, FingerprintRow)
+            .values(hex=fp.hex, descriptor=dict(fp.descriptor), created_at=utcnow())
+            .on_conflict_do_nothing(index_elements=["hex"])
+        )
+        # Cached only once committed: a refused publish must not leave the cache
+        # believing its fingerprint is catalogued.
+        self.after_commit(conn, lambda: self._fp_cache.__setitem__(fp.hex, fp))
+
+    def fingerprint(self, conn: sa.Connection, hex_: str) -> Fingerprint | None:
+        """The catalogued fingerprint with this hex, or None."""
+        found = self._fp_cache.get(hex_)
+        if found is None:
+            desc = conn.execute(
+                sa.select(FingerprintRow.descriptor).where(FingerprintRow.hex == hex_)
+            ).scalar()
+            if desc is None:
+                return None
+            found = self._fp_cache[hex_] = Fingerprint.from_descriptor(desc)
+        return found
+
+    @staticmethod
+    def event(
+        conn: sa.Connection,
+        kind: str,
+        namespace: str | None,
+        subject: str | None,
+        actor: str | None,
+        details: dict[str, Any],
+    ) -> None:
+        """Append one row to the history (in the caller's transaction)."""
+        conn.execute(
+            sa.insert(Event).values(
+                at=utcnow(),
+                kind=kind,
+                namespace=namespace,
+                subject=subject,
+                actor=actor,
+                details=details,
+            )
+        )
