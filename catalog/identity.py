@@ -6,7 +6,7 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast, get_args
+from typing import Any, Literal, TypeGuard, cast, get_args
 
 import blake3
 import numpy as np
@@ -164,6 +164,11 @@ class Fingerprint:
 
     def __str__(self) -> str:
         return self.hex
+
+
+def is_hex64(value: object) -> TypeGuard[str]:
+    """Whether `value` is 64 lowercase hex characters (a fingerprint, blob key or sha256 hex)."""
+    return isinstance(value, str) and _HEX64.fullmatch(value) is not None
 
 
 def fingerprint_hex(value: Fingerprint | str) -> str:

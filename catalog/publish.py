@@ -18,6 +18,7 @@ from catalog.identity import (
     Fingerprint,
     chain_hash,
     chain_root,
+    is_hex64,
 )
 from catalog.models import (
     TIERS,
@@ -291,8 +292,7 @@ class Publishing:
         if r.token_start == 0 and r.parent_hash != chain_root(r.namespace):
             raise PublishError("a chunk at token 0 must extend the namespace's chain root")
         r.shard.check_within(r.fingerprint.layout)
-        database_key_ok = len(r.blob_key) == 64 and all(c in "0123456789abcdef" for c in r.blob_key)
-        if not database_key_ok:
+        if not is_hex64(r.blob_key):
             raise PublishError(f"blob key {r.blob_key!r:.80} is not a 64-hex digest")
         if not r.receipts:
             raise PublishError("a chunk is recorded only with at least one replica receipt")

@@ -7,6 +7,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
+from typing import TypeGuard
 
 from typing_extensions import Buffer
 
@@ -15,13 +16,18 @@ from chunkstore.errors import InvalidKeyError
 _KEY_RE = re.compile(r"[0-9a-f]{64}")
 
 
+def is_hex_digest(value: object) -> TypeGuard[str]:
+    """Whether `value` is a 64-character lowercase hex digest (a blob key, a blake3 hex)."""
+    return isinstance(value, str) and _KEY_RE.fullmatch(value) is not None
+
+
 def validate_key(key: object) -> str:
     """Return `key` if it is a 64-character lowercase hex digest, else raise `InvalidKeyError`.
 
     Keys become file names and object names; accepting only digests rules out
     path traversal and odd characters by construction.
     """
-    if not isinstance(key, str) or _KEY_RE.fullmatch(key) is None:
+    if not is_hex_digest(key):
         shown = repr(key) if len(repr(key)) <= 80 else repr(key)[:77] + "..."
         raise InvalidKeyError(f"invalid blob key {shown}: expected 64 lowercase hex characters")
     return key

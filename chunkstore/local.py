@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
-import blake3
 from typing_extensions import Buffer
 
 from chunkstore.base import BlobStat, ChunkStore, Receipt, validate_key
@@ -24,6 +23,7 @@ from chunkstore.errors import (
     StoreURLError,
     StoreWriteError,
 )
+from chunkstore.record import blake3_hex
 
 logger = logging.getLogger(__name__)
 
@@ -36,11 +36,6 @@ DEFAULT_REFRESH_AFTER_S = 900.0
 # Blobs are read-only files: an in-place write would show through every live
 # mmap of the blob (and a truncation would SIGBUS its readers).
 _BLOB_MODE = 0o444
-
-
-def blake3_hex(data: Buffer) -> str:
-    """The blake3 hex digest of `data`, hashed on all cores for large buffers."""
-    return str(blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest())
 
 
 def check_content_address(key: str, data: Buffer) -> None:

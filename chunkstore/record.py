@@ -34,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ import blake3
 import numpy as np
 from typing_extensions import Buffer
 
-from chunkstore.base import validate_key
+from chunkstore.base import is_hex_digest, validate_key
 from chunkstore.codecs import CODECS, DEFAULT_CODEC, RawCodec, get_codec
 from chunkstore.errors import ChunkFormatError, ChunkIntegrityError
 
@@ -84,7 +83,6 @@ DTYPES: dict[str, np.dtype] = {
 
 _PREAMBLE = struct.Struct("<4sHHI32s")
 _DIGESTED = 12  # preamble bytes covered by the header digest (all but the digest)
-_HEX64 = re.compile(r"[0-9a-f]{64}")
 _FIELDS = frozenset(
     {
         "fingerprint",
@@ -115,7 +113,8 @@ def _byte_view(data: Buffer) -> memoryview:
     return view
 
 
-def _blake3_hex(data: Buffer) -> str:
+def blake3_hex(data: Buffer) -> str:
+    """The blake3 hex digest of `data` (any buffer), on all cores for large ones."""
     view = _byte_view(data)  # blake3 takes only byte-formatted buffers
     threads = blake3.blake3.AUTO if len(view) >= _PARALLEL_HASH_BYTES else 1
     digest: str = blake3.blake3(view, max_threads=threads).hexdigest()
@@ -227,7 +226,7 @@ class DecodedChunk:
 
 def _check_header(h: ChunkHeader, error: type[ValueError]) -> None:
     """Check field values and their consistency; `error` is the exception class to raise."""
-    if _HEX64.fullmatch(h.fingerprint) is None:
+    if not is_hex_digest(h.fingerprint):
         raise error("fingerprint must be 64 lowercase hex characters")
     if not h.namespace:
         raise error("namespace must be a non-empty string")
@@ -267,7 +266,7 @@ def _check_header(h: ChunkHeader, error: type[ValueError]) -> None:
     if h.codec not in CODECS:
         raise error(f"codec must be one of {sorted(CODECS)}, got {h.codec!r}")
     for name, digest in (("payload_blake3", h.payload_blake3), ("stored_blake3", h.stored_blake3)):
-        if _HEX64.fullmatch(digest) is None:
+        if not is_hex_digest(digest):
             raise error(f"{name} must be 64 lowercase hex characters")
     if h.payload_size < 0:
         raise error(f"payload_size must be >= 0, got {h.payload_size}")
@@ -298,7 +297,7 @@ def _json_ints(obj: dict[str, Any], name: str, length: int | None = None) -> tup
 
 def _json_hash(obj: dict[str, Any], name: str) -> bytes:
     value = _json_field(obj, name, str)
-    if _HEX64.fullmatch(value) is None:
+    if not is_hex_digest(value):
         raise ChunkFormatError(f"header field {name!r} must be 64 lowercase hex characters")
     return bytes.fromhex(value)
 
@@ -464,11 +463,11 @@ def encode_chunk(
     _check_header(header, ValueError)
     check_finite(arr, dtype_name)
 
-    payload_blake3 = _blake3_hex(arr.data)
+    payload_blake3 = blake3_hex(arr.data)
     payload = CODECS[codec].encode(arr)
     # Raw stores the raw bytes themselves: one hash serves both digests.
     raw_codec = isinstance(CODECS[codec], RawCodec)
-    stored_blake3 = payload_blake3 if raw_codec else _blake3_hex(payload)
+    stored_blake3 = payload_blake3 if raw_codec else blake3_hex(payload)
     header = dataclasses.replace(
         header,
         payload_blake3=payload_blake3,
@@ -487,7 +486,7 @@ def encode_chunk(
     end = _PREAMBLE.size + len(header_bytes)
     padding = bytes(-end % PAYLOAD_ALIGNMENT)
     data = b"".join((fixed, digest, header_bytes, padding, payload))
-    return EncodedChunk(key=_blake3_hex(data), data=data, header=header)
+    return EncodedChunk(key=blake3_hex(data), data=data, header=header)
 
 
 # -- decoding --------------------------------------------------------------
@@ -545,7 +544,7 @@ def decode_chunk(data: Buffer, *, expected_key: str | None = None) -> DecodedChu
     verified = False
     if expected_key is not None:
         validate_key(expected_key)
-        if _blake3_hex(view) != expected_key:
+        if blake3_hex(view) != expected_key:
             raise ChunkIntegrityError(
                 f"record bytes do not hash to the expected key {expected_key}"
             )
@@ -558,10 +557,10 @@ def decode_chunk(data: Buffer, *, expected_key: str | None = None) -> DecodedChu
     if any(view[header_end:offset]):
         raise ChunkFormatError("record padding is not zero")
     payload = view[offset:]
-    if not verified and _blake3_hex(payload) != header.stored_blake3:
+    if not verified and blake3_hex(payload) != header.stored_blake3:
         raise ChunkIntegrityError("record payload does not match its stored_blake3")
     codec = get_codec(header.codec)
     kv = codec.decode(payload, header.numpy_dtype, math.prod(header.shape))
-    if not isinstance(codec, RawCodec) and _blake3_hex(kv.data) != header.payload_blake3:
+    if not isinstance(codec, RawCodec) and blake3_hex(kv.data) != header.payload_blake3:
         raise ChunkIntegrityError("decoded payload does not match its payload_blake3")
     return DecodedChunk(header=header, kv=kv.reshape(header.shape))
