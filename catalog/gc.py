@@ -1,21 +1,20 @@
-"""Catalog-side garbage collection: the GC lock, roots, retention plans and applying them."""
+"""Catalog-side garbage collection, planning: the GC lock, roots and retention plans (`catalog.purge` applies them)."""
 
 from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
 import sqlalchemy as sa
-from sqlalchemy.orm import aliased
 
 from catalog.catalog import Catalog
 from catalog.clock import utcnow
 from catalog.errors import CatalogInputError, NotFoundError
-from catalog.schema import Chunk, Demand, Event, Lock, Pin, PrefixNode, Ref, Replica
+from catalog.schema import Chunk, Demand, Lock, Pin, PrefixNode, Ref
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +164,9 @@ class GcPlan:
 
 
 @dataclass
-class _Node:
+class TreeNode:
+    """A prefix node as GC sees it: its chunks, kept children, last use and size."""
+
     parent: bytes
     quarantined: bool
     created_at: datetime
@@ -176,7 +177,7 @@ class _Node:
     size: int = 0
 
 
-def _lineage(nodes: dict[bytes, _Node], start: bytes) -> Iterable[bytes]:
+def _lineage(nodes: dict[bytes, TreeNode], start: bytes) -> Iterable[bytes]:
     h: bytes | None = start
     seen: set[bytes] = set()
     while h is not None and h in nodes and h not in seen:
@@ -186,9 +187,10 @@ def _lineage(nodes: dict[bytes, _Node], start: bytes) -> Iterable[bytes]:
     return
 
 
-def _protected(
-    cat: Catalog, conn: sa.Connection, ns_id: int, nodes: dict[bytes, _Node], now: datetime
+def protected_nodes(
+    cat: Catalog, conn: sa.Connection, ns_id: int, nodes: dict[bytes, TreeNode], now: datetime
 ) -> tuple[set[bytes], int]:
+    """The nodes GC must keep (roots and their lineage: refs, pins, live demand) and how many roots."""
     heads = list(conn.execute(sa.select(Ref.head_hash).where(Ref.namespace_id == ns_id)).scalars())
     heads += list(
         conn.execute(
@@ -213,9 +215,10 @@ def _protected(
     return protected, len(set(heads))
 
 
-def _load(cat: Catalog, conn: sa.Connection, ns_id: int) -> dict[bytes, _Node]:
+def load_tree(cat: Catalog, conn: sa.Connection, ns_id: int) -> dict[bytes, TreeNode]:
+    """The namespace's prefix tree with each node's chunks (what planning and applying read)."""
     nodes = {
-        r.prefix_hash: _Node(r.parent_hash, bool(r.quarantined), r.created_at)
+        r.prefix_hash: TreeNode(r.parent_hash, bool(r.quarantined), r.created_at)
         for r in conn.execute(
             sa.select(
                 PrefixNode.prefix_hash,
@@ -281,8 +284,8 @@ def plan_gc(
         ns = cat.db.namespace(conn, namespace)
         if ns is None:
             raise NotFoundError(f"no namespace {namespace!r}")
-        nodes = _load(cat, conn, ns[0])
-        protected, n_roots = _protected(cat, conn, ns[0], nodes, now)
+        nodes = load_tree(cat, conn, ns[0])
+        protected, n_roots = protected_nodes(cat, conn, ns[0], nodes, now)
     plan = GcPlan(namespace, now, roots=n_roots)
     plan.bytes_before = sum(n.size for n in nodes.values())
     purged: dict[bytes, Reason] = {}
@@ -327,7 +330,7 @@ def plan_gc(
             if h not in purged and h not in protected and n.children == 0
         ]
 
-    def last_use(n: _Node) -> datetime:
+    def last_use(n: TreeNode) -> datetime:
         return n.last_use or n.created_at
 
     if max_age_s is not None:
@@ -373,373 +376,3 @@ def plan_gc(
                 )
             )
     return plan
-
-
-# -- applying ----------------------------------------------------------------------------
-
-
-@dataclass
-class GcResult:
-    """What applying a plan did."""
-
-    chunks_removed: int = 0
-    prefixes_removed: int = 0
-    blobs_deleted: list[tuple[str, str]] = field(default_factory=list)  # (location, key)
-    # Replicas whose bytes could not be deleted: left in state `deleting` for a later run.
-    blobs_kept: list[tuple[str, str, str]] = field(default_factory=list)  # (location, key, why)
-    shared_blobs: list[str] = field(default_factory=list)  # still used by a kept chunk
-    # Planned chunks spared because, since planning, their node became a root, gained
-    # a kept child, or was re-recorded by a publish (or another GC purges them).
-    skipped: int = 0
-    resumed: int = 0  # chunks and replicas a previous, interrupted run left to finish
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "chunks_removed": self.chunks_removed,
-            "prefixes_removed": self.prefixes_removed,
-            "blobs_deleted": [{"location": loc, "blob_key": k} for loc, k in self.blobs_deleted],
-            "blobs_kept": [
-                {"location": loc, "blob_key": k, "reason": why} for loc, k, why in self.blobs_kept
-            ],
-            "shared_blobs": self.shared_blobs,
-            "skipped": self.skipped,
-            "resumed": self.resumed,
-        }
-
-
-def _batches(items: Sequence[Any]) -> Iterable[Sequence[Any]]:
-    for i in range(0, len(items), _BATCH):
-        yield items[i : i + _BATCH]
-
-
-def _events(conn: sa.Connection, rows: list[dict[str, Any]]) -> None:
-    if rows:
-        conn.execute(sa.insert(Event), rows)
-
-
-def apply_gc(
-    cat: Catalog,
-    plan: GcPlan,
-    delete_blob: DeleteBlob,
-    *,
-    actor: str | None = "gc",
-    progress: Callable[[int], object] | None = None,
-) -> GcResult:
-    """Carry out a plan: mark its chunks `purging` and their replicas `deleting`, delete
-    the bytes, then drop the rows.
-
-    Run under the GC lock. Marking first locks the planned chunk rows (on PostgreSQL;
-    SQLite has one writer), the same rows a publish that extends or re-records them and
-    a ref move onto them lock, so the two are ordered: whatever committed first is seen
-    by the other. A publish or ref move that comes after the mark finds the chunks
-    `purging` and is refused (`PurgeInProgressError`, nothing changed; the publisher
-    retries after this run). The mark spares a planned node that has since become a
-    root, gained a child that stays, or been re-recorded, and with it its ancestors.
-
-    A blob another kept chunk still names keeps its bytes and replicas (keys are
-    content addressed). A replica whose bytes `delete_blob` could not delete stays,
-    marked `deleting`, so bytes are never left without a row naming them;
-    `resume_gc` (which `kvc gc` runs first) finishes it later.
-    """
-    result = GcResult()
-    ns_name = plan.namespace
-    items = list(plan.items)
-
-    def mark() -> tuple[list[GcItem], dict[str, list[str]]]:
-        with cat.db.write() as conn:
-            now = utcnow()
-            ns = cat.db.namespace(conn, ns_name)
-            if ns is None:
-                raise NotFoundError(f"no namespace {ns_name!r}")
-            # 1. Lock the planned rows, in id order (as publishers lock theirs).
-            state: dict[int, Any] = {}
-            for batch in _batches(sorted({i.chunk_id for i in items})):
-                for r in conn.execute(
-                    sa.select(Chunk.id, Chunk.state, Chunk.last_seen_at)
-                    .where(Chunk.id.in_(batch))
-                    .order_by(Chunk.id)
-                    .with_for_update()
-                ):
-                    state[int(r.id)] = r
-            # 2. Read the tree after the lock, and keep only what is still unneeded.
-            nodes = _load(cat, conn, ns[0])
-            protected, _ = _protected(cat, conn, ns[0], nodes, now)
-            planned: dict[bytes, dict[int, GcItem]] = {}
-            for i in items:
-                planned.setdefault(i.prefix_hash, {})[i.chunk_id] = i
-
-            def unchanged(h: bytes) -> bool:
-                n = nodes.get(h)
-                if n is None or h in protected:
-                    return False
-                for c in n.chunks:
-                    item = planned[h].get(int(c.id))
-                    now_row = state.get(int(c.id))
-                    if item is None or now_row is None or now_row.state != "ready":
-                        return False  # a chunk added since planning, or another GC's
-                    if item.last_seen_at is not None and now_row.last_seen_at != item.last_seen_at:
-                        return False  # re-recorded by a publish since planning
-                return True
-
-            keep = {h for h in planned if unchanged(h)}
-            children: dict[bytes, list[bytes]] = {}
-            for h, n in nodes.items():
-                children.setdefault(n.parent, []).append(h)
-            changed = True
-            while changed:  # a node goes only with its whole subtree
-                changed = False
-                for h in sorted(keep):
-                    if any(c not in keep for c in children.get(h, ())):
-                        keep.discard(h)
-                        changed = True
-            live = [i for i in items if i.prefix_hash in keep]
-            result.skipped = len(items) - len(live)
-            ids = {i.chunk_id for i in live}
-            for batch in _batches(sorted(ids)):
-                conn.execute(sa.update(Chunk).where(Chunk.id.in_(batch)).values(state="purging"))
-            replicas = _mark_deleting(conn, live, ids, result, ns_name, actor, now)
-            return live, replicas
-
-    live, replicas = cat.db.retrying(mark)
-    _delete_and_drop(cat, ns_name, live, replicas, delete_blob, result, actor, progress)
-    return result
-
-
-def _mark_deleting(
-    conn: sa.Connection,
-    live: list[GcItem],
-    ids: set[int],
-    result: GcResult,
-    ns_name: str | None,
-    actor: str | None,
-    now: datetime,
-) -> dict[str, list[str]]:
-    """Mark the replicas of the purged chunks' blobs `deleting` (unless a kept chunk shares one)."""
-    keys = sorted({i.blob_key for i in live})
-    shared: set[str] = set()
-    for batch in _batches(keys):
-        for k, cid in conn.execute(
-            sa.select(Chunk.blob_key, Chunk.id).where(Chunk.blob_key.in_(batch))
-        ):
-            if cid not in ids:
-                shared.add(k)
-    result.shared_blobs = sorted(shared)
-    doomed = [k for k in keys if k not in shared]
-    replicas: dict[str, list[str]] = {}
-    for batch in _batches(doomed):
-        conn.execute(sa.update(Replica).where(Replica.blob_key.in_(batch)).values(state="deleting"))
-        for k, loc in conn.execute(
-            sa.select(Replica.blob_key, Replica.location)
-            .where(Replica.blob_key.in_(batch))
-            .order_by(Replica.blob_key, Replica.location)
-        ):
-            replicas.setdefault(k, []).append(loc)
-    _events(
-        conn,
-        [
-            {
-                "at": now,
-                "kind": "replica.deleting",
-                "namespace": ns_name,
-                "subject": k,
-                "actor": actor,
-                "details": {"locations": locs, "reason": "gc"},
-            }
-            for k, locs in replicas.items()
-        ],
-    )
-    return replicas
-
-
-def _delete_and_drop(
-    cat: Catalog,
-    ns_name: str | None,
-    live: list[GcItem],
-    replicas: dict[str, list[str]],
-    delete_blob: DeleteBlob,
-    result: GcResult,
-    actor: str | None,
-    progress: Callable[[int], object] | None,
-) -> None:
-    # Delete bytes outside any transaction (slow, remote).
-    gone: list[tuple[str, str]] = []
-    for key, locs in replicas.items():
-        for loc in locs:
-            try:
-                ok = delete_blob(loc, key)
-            except Exception as exc:
-                result.blobs_kept.append((loc, key, f"{type(exc).__name__}: {exc}"))
-                continue
-            if ok is False:
-                result.blobs_kept.append((loc, key, "location not reachable"))
-            else:
-                gone.append((loc, key))
-            if progress is not None:
-                progress(1)
-    result.blobs_deleted += gone
-    reason_of = {i.chunk_id: i for i in live}
-
-    # Drop rows: deleted replicas, the chunks, and prefix nodes left empty and childless.
-    def drop() -> tuple[int, int]:
-        with cat.db.write() as conn:
-            now = utcnow()
-            by_loc: dict[str, list[str]] = {}
-            for loc, key in gone:
-                by_loc.setdefault(loc, []).append(key)
-            for loc, ks in by_loc.items():
-                for batch in _batches(ks):
-                    conn.execute(
-                        sa.delete(Replica).where(
-                            Replica.location == loc,
-                            Replica.blob_key.in_(batch),
-                            Replica.state == "deleting",
-                        )
-                    )
-            removed = 0
-            for batch in _batches(sorted(reason_of)):
-                removed += int(
-                    conn.execute(
-                        sa.delete(Chunk).where(Chunk.id.in_(batch), Chunk.state == "purging")
-                    ).rowcount
-                )
-            # Deepest first so a parent sees its children gone.
-            hashes = sorted({i.prefix_hash for i in live})
-            depth: dict[bytes, int] = {}
-            for batch in _batches(hashes):
-                depth.update(
-                    (h, d)
-                    for h, d in conn.execute(
-                        sa.select(PrefixNode.prefix_hash, PrefixNode.depth).where(
-                            PrefixNode.prefix_hash.in_(batch)
-                        )
-                    )
-                )
-            prefixes = 0
-            child = aliased(PrefixNode)
-            for h in sorted(depth, key=lambda x: -depth[x]):
-                res = conn.execute(
-                    sa.delete(PrefixNode).where(
-                        PrefixNode.prefix_hash == h,
-                        ~sa.exists().where(Chunk.prefix_hash == h),
-                        ~sa.exists().where(child.parent_hash == h),
-                        ~sa.exists().where(Ref.head_hash == h),
-                    )
-                )
-                if res.rowcount:
-                    prefixes += 1
-                    # Only an expired pin can name a purged prefix (a live one is a root).
-                    conn.execute(sa.delete(Pin).where(Pin.prefix_hash == h))
-            _events(
-                conn,
-                [
-                    {
-                        "at": now,
-                        "kind": "chunk.purge",
-                        "namespace": ns_name,
-                        "subject": i.prefix_hash.hex(),
-                        "actor": actor,
-                        "details": {
-                            "fingerprint": i.fingerprint,
-                            "blob_key": i.blob_key,
-                            "stored_bytes": i.stored_bytes,
-                            "reason": i.reason,
-                        },
-                    }
-                    for i in live
-                ]
-                + [
-                    {
-                        "at": now,
-                        "kind": "replica.delete",
-                        "namespace": ns_name,
-                        "subject": key,
-                        "actor": actor,
-                        "details": {"location": loc, "reason": "gc"},
-                    }
-                    for loc, key in gone
-                ],
-            )
-            cat.db.event(
-                conn,
-                "gc",
-                ns_name,
-                None,
-                actor,
-                {
-                    "chunks": removed,
-                    "prefixes": prefixes,
-                    "blobs_deleted": len(gone),
-                    "blobs_kept": len(result.blobs_kept),
-                    "shared_blobs": len(result.shared_blobs),
-                    "resumed": result.resumed,
-                },
-            )
-            return removed, prefixes
-
-    removed, prefixes = cat.db.retrying(drop)
-    result.chunks_removed += removed
-    result.prefixes_removed += prefixes
-
-
-def resume_gc(
-    cat: Catalog,
-    delete_blob: DeleteBlob,
-    *,
-    actor: str | None = "gc",
-    progress: Callable[[int], object] | None = None,
-) -> GcResult:
-    """Finish what an interrupted or partly failed GC left: chunks still `purging` and
-    replicas still `deleting` whose blob no ready chunk names. Run under the GC lock.
-
-    Until this runs, a publish of those chunks is refused with `PurgeInProgressError`
-    (its bytes would be deleted under it), so `kvc gc` runs it before anything else.
-    """
-    result = GcResult()
-
-    def mark() -> tuple[list[GcItem], dict[str, list[str]]]:
-        with cat.db.write() as conn:
-            now = utcnow()
-            live = [
-                GcItem(
-                    int(r.id),
-                    r.prefix_hash,
-                    r.fingerprint,
-                    r.blob_key,
-                    int(r.stored_bytes),
-                    "resumed",
-                )
-                for r in conn.execute(
-                    sa.select(
-                        Chunk.id,
-                        Chunk.prefix_hash,
-                        Chunk.fingerprint,
-                        Chunk.blob_key,
-                        Chunk.stored_bytes,
-                    )
-                    .where(Chunk.state == "purging")
-                    .order_by(Chunk.id)
-                    .with_for_update()
-                )
-            ]
-            ids = {i.chunk_id for i in live}
-            replicas = _mark_deleting(conn, live, ids, result, None, actor, now) if live else {}
-            ready = sa.select(Chunk.id).where(
-                Chunk.blob_key == Replica.blob_key, Chunk.state == "ready"
-            )
-            for k, loc in conn.execute(
-                sa.select(Replica.blob_key, Replica.location)
-                .where(Replica.state == "deleting", ~ready.exists())
-                .order_by(Replica.blob_key, Replica.location)
-            ):
-                if loc not in replicas.setdefault(k, []):
-                    replicas[k].append(loc)
-            result.resumed = len(live) + sum(len(v) for v in replicas.values())
-            return live, replicas
-
-    live, replicas = cat.db.retrying(mark)
-    if live or replicas:
-        log.info(
-            "gc: resuming %d purging chunk(s), %d blob(s) being deleted", len(live), len(replicas)
-        )
-        _delete_and_drop(cat, None, live, replicas, delete_blob, result, actor, progress)
-    return result

@@ -9,8 +9,9 @@ import blake3
 
 from catalog import AttentionLayout, Fingerprint, chain_hash, chain_root
 from catalog.catalog import Catalog
-from catalog.gc import GcPlan, apply_gc
+from catalog.gc import GcPlan
 from catalog.models import ChunkRecord, ReplicaReceipt, Shard
+from catalog.purge import apply_gc
 
 LAYOUT = AttentionLayout(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float16")
 FP = Fingerprint.create(

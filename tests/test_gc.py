@@ -15,7 +15,8 @@ import pytest
 import sqlalchemy as sa
 
 from catalog.catalog import Catalog
-from catalog.gc import GcPlan, acquire_lock, apply_gc, lock_holder, plan_gc, release_lock
+from catalog.gc import GcPlan, acquire_lock, lock_holder, plan_gc, release_lock
+from catalog.purge import apply_gc
 from catalog.schema import Chunk, Lock, Pin
 from tests.catalog_helpers import CS, FP, chain_records, kill_gc_after_marking, publish, receipt
 

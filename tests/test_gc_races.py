@@ -23,8 +23,9 @@ import sqlalchemy as sa
 
 from catalog.catalog import Catalog
 from catalog.errors import PurgeInProgressError
-from catalog.gc import apply_gc, plan_gc, resume_gc
+from catalog.gc import plan_gc
 from catalog.publish import record_in
+from catalog.purge import apply_gc, resume_gc
 from catalog.transactions import hold
 from chunkstore import ChunkStore, open_store
 from chunkstore.errors import BlobNotFoundError

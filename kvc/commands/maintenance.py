@@ -293,7 +293,8 @@ def _retention(
     now: datetime,
 ) -> tuple[dict[str, Any], list[str]]:
     """Plan (and unless --dry-run apply) the catalog-side purge of the settings' namespace."""
-    from catalog.gc import apply_gc, plan_gc, resume_gc
+    from catalog.gc import plan_gc
+    from catalog.purge import apply_gc, resume_gc
     from chunkstore.errors import BlobNotFoundError
 
     by_name = {s.name: s for s in stores}
