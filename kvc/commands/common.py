@@ -93,7 +93,7 @@ def open_catalog(settings: Settings, *, upgrade: bool = False) -> Iterator[Any]:
     """The configured catalog, with errors turned into one line (exit 2 for configuration)."""
     from catalog import Catalog
     from catalog.database import safe_url
-    from catalog.errors import CatalogError, SchemaVersionError
+    from catalog.errors import CatalogError, CatalogUnavailableError, SchemaVersionError
 
     url = settings.resolved_catalog_url
     if settings.catalog_url is None:
@@ -102,6 +102,8 @@ def open_catalog(settings: Settings, *, upgrade: bool = False) -> Iterator[Any]:
         cat = Catalog.open(url, upgrade=upgrade)
     except SchemaVersionError as exc:
         fail(str(exc), EXIT_USAGE)
+    except CatalogUnavailableError as exc:  # a server that is down: not the caller's mistake
+        fail(str(exc))
     except CatalogError as exc:
         fail(str(exc), EXIT_USAGE)
     except Exception as exc:  # unreachable server, permissions, ...
