@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 
 import click
 
+from catalog.identity import is_hex64
 from kvc.commands.common import EXIT_USAGE, fail, open_catalog, settings_options, setup_logging
 from kvc.settings import Settings
-
-_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def load_tokens(path: Path) -> dict[str, str]:
@@ -29,7 +27,7 @@ def load_tokens(path: Path) -> dict[str, str]:
         fail(f"tokens file {path} must be a non-empty JSON object namespace -> sha256", EXIT_USAGE)
     for ns, h in doc.items():
         # Never echo the value: someone may have pasted a token instead of its hash.
-        if not ns or not isinstance(h, str) or not _HEX64.fullmatch(h.lower()):
+        if not ns or not isinstance(h, str) or not is_hex64(h.lower()):
             fail(
                 f"tokens file {path}: the entry for namespace {ns!r} is not a sha256 hex digest "
                 "(make one with `kvc serve-hash-token`)",
