@@ -49,6 +49,9 @@ class LoadResult:
     clients: int
     ops: dict[str, list[float]] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    wrong: list[str] = field(default_factory=list)  # answers that were not the expected ones
+    lost: list[str] = field(default_factory=list)  # acknowledged publishes not found afterwards
+    published: list[list[int]] = field(default_factory=list)  # acknowledged publishes' prompts
     rss_start_kb: int = 0
     rss_end_kb: int = 0
     rss_samples: list[tuple[float, int]] = field(default_factory=list)  # (seconds in, kB)
@@ -58,6 +61,8 @@ class LoadResult:
             "seconds": round(self.seconds, 1),
             "clients": self.clients,
             "errors": len(self.errors),
+            "wrong": len(self.wrong),
+            "lost": len(self.lost),
             "rss_start_mb": round(self.rss_start_kb / 1024, 1),
             "rss_end_mb": round(self.rss_end_kb / 1024, 1),
             "rss_samples_mb": [(round(t), round(kb / 1024, 1)) for t, kb in self.rss_samples],
@@ -69,7 +74,9 @@ class LoadResult:
             out[op] = {
                 "count": len(lat),
                 "p50_ms": round(statistics.median(lat_sorted) * 1e3, 2),
-                "p99_ms": round(lat_sorted[min(len(lat_sorted) - 1, int(len(lat_sorted) * 0.99))] * 1e3, 2),
+                "p99_ms": round(
+                    lat_sorted[min(len(lat_sorted) - 1, int(len(lat_sorted) * 0.99))] * 1e3, 2
+                ),
             }
         out["requests_per_s"] = round(total / self.seconds, 1)
         return out
@@ -113,8 +120,19 @@ def run_load(
     exe = Path(sys.executable).parent / "kvc"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVC_")}
     server = subprocess.Popen(
-        [str(exe), "serve", "--catalog", catalog_url, "--port", str(port), "--tokens-file", str(tokens_file)],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        [
+            str(exe),
+            "serve",
+            "--catalog",
+            catalog_url,
+            "--port",
+            str(port),
+            "--tokens-file",
+            str(tokens_file),
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
     base = f"http://127.0.0.1:{port}"
     result = LoadResult(seconds=seconds, clients=clients)
@@ -147,17 +165,20 @@ def run_load(
             with RemoteCatalog(base, TOKEN, timeout=30) as rc:
                 while go_on():
                     i = rng.randrange(20)
+                    start = 10_000 + n * 1000
                     if rng.random() < publish_ratio:
                         op = "publish"
-                        prompt = [*SYSTEM, *range(10_000 + n * 1000 + rng.randrange(1000), 10_000 + n * 1000 + 2000)][: len(SYSTEM) + 2 * CS]
+                        tail = range(start + rng.randrange(1000), start + 2000)
+                        prompt = [*SYSTEM, *tail][: len(SYSTEM) + 2 * CS]
                         work = lambda p=prompt: rc.record_chunks(chain_records("default", p))  # noqa: E731
                     else:
                         op = "lookup"
+                        # A prefix of one of the 20 conversations: all of it is restorable.
                         prompt = [*SYSTEM, *range(i * 50, i * 50 + rng.randrange(1, 3 * CS))]
                         work = lambda p=prompt: rc.lookup("default", FP, [*p, 7])  # noqa: E731
                     t0 = time.perf_counter()
                     try:
-                        work()
+                        answer = work()
                     except Exception as exc:  # every error is counted and reported
                         with lock:
                             result.errors.append(f"{op}: {type(exc).__name__}: {exc}")
@@ -165,6 +186,11 @@ def run_load(
                     dt = time.perf_counter() - t0
                     with lock:
                         result.ops.setdefault(op, []).append(dt)
+                        if op == "publish":
+                            result.published.append(prompt)
+                        elif getattr(answer, "matched_tokens", None) != len(prompt):
+                            got = getattr(answer, "matched_tokens", answer)
+                            result.wrong.append(f"lookup of {len(prompt)} tokens matched {got}")
 
         def sampler() -> None:  # the server's RSS over the run, to see whether it levels off
             while time.monotonic() < stop_at:
@@ -190,11 +216,22 @@ def run_load(
             server.wait(5)
         if server.stderr:
             server.stderr.close()
+    # Every publish the service acknowledged is in the catalog, whole.
+    cat = Catalog.open(catalog_url)
+    try:
+        for prompt in result.published:
+            got = cat.lookup("default", FP, [*prompt, 7]).matched_tokens
+            if got != len(prompt):
+                result.lost.append(f"a publish of {len(prompt)} tokens: {got} found")
+    finally:
+        cat.close()
     return result
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--clients", type=int, default=50)
     ap.add_argument("--seconds", type=float, default=60)
     ap.add_argument("--catalog", choices=["sqlite", "postgres"], default="sqlite")
@@ -222,19 +259,28 @@ def main() -> None:
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
-        print(f"\nkvc serve ({args.catalog}) under {args.clients} clients for {summary['seconds']} s")
+        print(
+            f"\nkvc serve ({args.catalog}) under {args.clients} clients for {summary['seconds']} s"
+        )
         print(f"{'operation':<10} {'count':>8} {'p50 ms':>9} {'p99 ms':>9}")
         for op in ("lookup", "publish"):
             if op in summary:
                 o = summary[op]
                 print(f"{op:<10} {o['count']:>8} {o['p50_ms']:>9.1f} {o['p99_ms']:>9.1f}")
-        print(f"throughput {summary['requests_per_s']} requests/s, errors {summary['errors']}")
-        print("server RSS (MB) at s: " + f"0: {summary['rss_start_mb']}, " + ", ".join(
-            f"{t}: {mb}" for t, mb in summary["rss_samples_mb"]
-        ))
+        print(
+            f"throughput {summary['requests_per_s']} requests/s, errors {summary['errors']},"
+            f" wrong answers {summary['wrong']}, lost publishes {summary['lost']}"
+        )
+        print(
+            "server RSS (MB) at s: "
+            + f"0: {summary['rss_start_mb']}, "
+            + ", ".join(f"{t}: {mb}" for t, mb in summary["rss_samples_mb"])
+        )
     for e in res.errors[:10]:
         print("error:", e, file=sys.stderr)
-    sys.exit(1 if res.errors else 0)
+    for e in res.wrong[:10] + res.lost[:10]:
+        print("wrong:", e, file=sys.stderr)
+    sys.exit(1 if res.errors or res.wrong or res.lost else 0)
 
 
 if __name__ == "__main__":

@@ -1,72 +1,135 @@
-"""RemoteCatalog: the catalog's interface (what checkpoints and restores use) over a `kvc serve` service."""
+"""RemoteCatalog: the whole catalog interface (`catalog.base.CatalogAPI`) over a `kvc serve` service.
+
+Imports no web framework: the bodies are `kvc.wire`'s pydantic models, the
+transport is httpx.
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 from urllib.parse import quote
 
 import httpx
 import numpy as np
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from catalog.base import DEFAULT_CHUNK_SIZE
 from catalog.errors import (
+    AccessDeniedError,
+    CatalogConflictError,
     CatalogError,
+    CatalogInputError,
+    CatalogUnavailableError,
     IdentityError,
     MissingParentError,
     NotFoundError,
+    OutcomeUnknownError,
     PublishError,
     PurgeInProgressError,
     RefConflictError,
+    SchemaVersionError,
 )
 from catalog.identity import Fingerprint, chain_root, fingerprint_hex, token_array
 from catalog.models import (
     ChunkRecord,
     Conflict,
+    EventInfo,
     InvalidationDirective,
     Match,
+    PinInfo,
     PrefixInfo,
     PublishResult,
     RefInfo,
     ReplicaReceipt,
+    ReplicaState,
     Shard,
 )
-from kvc.service import (
+from kvc.wire import (
+    API_ROOT,
     ChunkRecordModel,
+    CountResponse,
+    DemandResponse,
+    EventList,
     FingerprintModel,
     KnownResponse,
     Lineage,
     MarkReplicaResponse,
     MatchModel,
     NamespaceResponse,
+    PinList,
+    PinModel,
+    PrefixModel,
     PublishResponse,
     QuarantineResponse,
     ReceiptModel,
     RecordReplicaResponse,
     RefList,
     RefModel,
+    ReplicaKeys,
     ShardModel,
     StatsModel,
 )
+
+if TYPE_CHECKING:
+    from catalog.base import CatalogAPI
 
 log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 
-_ERRORS: dict[str, type[CatalogError]] = {
-    "PublishError": PublishError,
-    "PurgeInProgressError": PurgeInProgressError,
-    "MissingParentError": MissingParentError,
-    "IdentityError": IdentityError,
-    "CatalogError": CatalogError,
+# The service names the class of a catalog error in its body (`error`); these are
+# raised again here. A name not in the table falls back to the status's class.
+_BY_NAME: dict[str, type[CatalogError]] = {
+    cls.__name__: cls
+    for cls in (
+        AccessDeniedError,
+        CatalogConflictError,
+        CatalogInputError,
+        CatalogUnavailableError,
+        IdentityError,
+        MissingParentError,
+        NotFoundError,
+        OutcomeUnknownError,
+        PublishError,
+        PurgeInProgressError,
+        RefConflictError,
+        SchemaVersionError,
+    )
 }
+# The class of each 4xx status, when the body names none (or one that is not a subclass).
+_BY_STATUS: dict[int, type[CatalogError]] = {
+    400: CatalogInputError,
+    401: AccessDeniedError,
+    403: AccessDeniedError,
+    404: NotFoundError,
+    409: CatalogConflictError,
+    413: CatalogInputError,
+    422: CatalogInputError,
+}
+# Transport failures before anything was sent: the call did not land.
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.UnsupportedProtocol)
+_WRITES = frozenset({"POST", "PUT", "DELETE", "PATCH"})
 
 
 def _ref_path(name: str) -> str:
     # Encode everything, dots included, so no ref name is ever read as a path segment like "..".
     return quote(name, safe="").replace(".", "%2E")
+
+
+def _check_name(kind: str, name: str) -> None:
+    # Names travel in the path, where an empty one or a line break cannot: refused here
+    # as the catalog refuses them (a ref name: no NUL, CR or LF; a pin name: printable).
+    bad = "\x00\n\r" if kind == "ref" else ""
+    if (
+        not isinstance(name, str)
+        or not name
+        or len(name) > 255
+        or any(c in name for c in bad)
+        or (kind == "pin" and not name.isprintable())
+    ):
+        raise CatalogInputError(f"invalid {kind} name {name!r:.80}: 1-255 printable characters")
 
 
 def _detail(resp: httpx.Response) -> tuple[str, str | None]:
@@ -89,14 +152,19 @@ def _detail(resp: httpx.Response) -> tuple[str, str | None]:
 
 
 class RemoteCatalog:
-    """The parts of `catalog.Catalog` that `Checkpointer` and `Restorer` use, over HTTP.
+    """`catalog.base.CatalogAPI` over HTTP: pass it wherever a catalog is expected.
 
     `token` is the bearer token of the namespaces it works in; `namespace` is
-    used for calls that name none (fingerprints, and `stats()` without one).
-    Errors come back as the catalog's exceptions: 404 is `NotFoundError`, 409
-    `RefConflictError`, 422 `PublishError`/`IdentityError`/`CatalogError` with
-    the service's message. A publish is one transaction per namespace.
-    Safe to share between threads (one `httpx.Client`).
+    used for calls that name none (fingerprints, replicas, and `stats()` or
+    `events()` without one): the service answers only for the token's
+    namespaces, never for all. Errors come back as the classes of
+    `catalog.errors` the SQL catalog raises for the same call (the service names
+    the class; docs/http-api.md has the table). A call that could not be sent,
+    or a 502/503, is `CatalogUnavailableError`; a write whose answer was lost
+    (a dropped connection or a read timeout after sending, a 500 or 504) is
+    `OutcomeUnknownError`, a read's is `CatalogUnavailableError`. `actor` is
+    sent to the service, which records it as given. A publish is one
+    transaction per namespace. Safe to share between threads (one `httpx.Client`).
     """
 
     def __init__(
@@ -138,40 +206,75 @@ class RemoteCatalog:
         path: str,
         body: BaseModel | dict[str, Any] | None = None,
         *,
-        default_error: type[CatalogError] = CatalogError,
+        params: dict[str, Any] | None = None,
+        read_only: bool = False,
+        default_error: type[CatalogError] | None = None,
     ) -> httpx.Response:
-        url = f"/v1/namespaces/{quote(namespace, safe='')}/{path}"
+        """One request; `read_only` marks a POST that changes nothing (lookup, known, demand)."""
+        url = f"{API_ROOT}{quote(namespace, safe='')}/{path}"
         payload = body.model_dump(mode="json") if isinstance(body, BaseModel) else body
+        write = method in _WRITES and not read_only
+        if params is not None:
+            params = {k: v for k, v in params.items() if v is not None}
         try:
-            resp = self._client.request(method, url, json=payload)
-        except httpx.HTTPError as exc:
-            raise CatalogError(
+            resp = self._client.request(method, url, json=payload, params=params)
+        except _NOT_SENT as exc:
+            raise CatalogUnavailableError(
                 f"cannot reach the kvc service at {self.base_url}: {exc.__class__.__name__}"
             ) from exc
-        if resp.status_code < 400:
+        except httpx.HTTPError as exc:
+            if write:
+                raise OutcomeUnknownError(
+                    f"{method} {path} was sent to the kvc service at {self.base_url} but its "
+                    f"answer was lost ({exc.__class__.__name__}): it may have landed"
+                ) from exc
+            raise CatalogUnavailableError(
+                f"the kvc service at {self.base_url} did not answer {method} {path}: "
+                f"{exc.__class__.__name__}"
+            ) from exc
+        if 200 <= resp.status_code < 300:
             return resp
-        self._raise(resp, method, path, default_error)
+        self._raise(resp, method, path, write, default_error)
 
     def _raise(
-        self, resp: httpx.Response, method: str, path: str, default_error: type[CatalogError]
+        self,
+        resp: httpx.Response,
+        method: str,
+        path: str,
+        write: bool,
+        default_error: type[CatalogError] | None,
     ) -> NoReturn:
         message, error = _detail(resp)
         code = resp.status_code
+        base: type[CatalogError]
         if code == 404:
             raise NotFoundError(f"not found in namespace: {method} {path}")
-        if code == 409:
-            if error == "PurgeInProgressError":
-                raise PurgeInProgressError(message)
-            raise RefConflictError(message)
-        if code == 401:
-            raise CatalogError(f"the kvc service refused the token: {message}")
-        if code in (400, 413, 422):
-            raise _ERRORS.get(error or "", default_error)(message)
-        raise CatalogError(f"the kvc service answered {code} to {method} {path}: {message}")
+        if 400 <= code < 500:
+            base = _BY_STATUS.get(code, CatalogInputError)
+            if default_error is not None and issubclass(default_error, base):
+                base = default_error
+        elif code in (500, 504) and write:
+            base = OutcomeUnknownError
+        else:  # 502, 503, another 5xx on a read, or a status no kvc service answers
+            base = CatalogUnavailableError
+        named = _BY_NAME.get(error or "")
+        cls = named if named is not None and issubclass(named, base) else base
+        if cls in (OutcomeUnknownError, CatalogUnavailableError) and error is None:
+            message = f"the kvc service answered {code} to {method} {path}: {message}"
+        if code == 401 and cls is AccessDeniedError and error is None:
+            message = f"the kvc service refused the token: {message}"
+        raise cls(message)
 
-    @staticmethod
-    def _parse(resp: httpx.Response, model: type[M]) -> M:
-        return model.model_validate_json(resp.content)
+    def _parse(self, resp: httpx.Response, model: type[M]) -> M:
+        try:
+            return model.model_validate_json(resp.content)
+        except ValidationError as exc:
+            # Not a kvc answer (a proxy's page?): whatever was asked may have been done.
+            method = resp.request.method
+            cls = OutcomeUnknownError if method in _WRITES else CatalogUnavailableError
+            raise cls(
+                f"the answer to {method} {resp.request.url.path} is not the kvc service's"
+            ) from exc
 
     # -- namespaces and fingerprints ---------------------------------------------------
 
@@ -179,10 +282,12 @@ class RemoteCatalog:
         chain_root(name)
         resp = self._call("POST", name, "namespace", {"chunk_size": chunk_size})
         got = self._parse(resp, NamespaceResponse).chunk_size
-        assert got is not None
+        if got is None:
+            raise CatalogUnavailableError("the kvc service created no namespace")
         return got
 
     def namespace_chunk_size(self, name: str) -> int | None:
+        chain_root(name)
         try:
             resp = self._call("GET", name, "namespace")
         except NotFoundError:
@@ -199,7 +304,7 @@ class RemoteCatalog:
             return None
         return Fingerprint.from_descriptor(self._parse(resp, FingerprintModel).descriptor)
 
-    # -- publish -----------------------------------------------------------------------
+    # -- publish and lookup --------------------------------------------------------------
 
     def record_chunks(
         self, records: Sequence[ChunkRecord], *, actor: str | None = None
@@ -234,6 +339,53 @@ class RemoteCatalog:
     def record_chunk(self, record: ChunkRecord, *, actor: str | None = None) -> PublishResult:
         return self.record_chunks([record], actor=actor)
 
+    def known_blob_keys(
+        self,
+        namespace: str,
+        fingerprint: Fingerprint | str,
+        prefix_hashes: Sequence[bytes],
+        shard: Shard,
+    ) -> dict[bytes, str]:
+        if not prefix_hashes:
+            return {}
+        body = {
+            "fingerprint": fingerprint_hex(fingerprint),
+            "prefix_hashes": [h.hex() for h in prefix_hashes],
+            "shard": ShardModel.of(shard).model_dump(),
+        }
+        resp = self._call("POST", namespace, "known", body, read_only=True)
+        found = self._parse(resp, KnownResponse).blob_keys
+        return {bytes.fromhex(h): k for h, k in found.items()}
+
+    def lookup(
+        self,
+        namespace: str,
+        fingerprint: Fingerprint | str,
+        tokens: Sequence[int] | np.ndarray[Any, Any],
+        shard: Shard | None = None,
+        max_tokens: int | None = None,
+    ) -> Match:
+        """The longest restorable prefix of `tokens` and its chunks; a miss is an empty Match."""
+        fp_hex = fingerprint_hex(fingerprint)
+        tok = token_array(tokens)  # validates, as the catalog does
+        body = {
+            "fingerprint": fp_hex,
+            "tokens": tok.tolist(),
+            "shard": None if shard is None else ShardModel.of(shard).model_dump(),
+            "max_tokens": max_tokens,
+        }
+        resp = self._call("POST", namespace, "lookup", body, read_only=True)
+        if resp.status_code == 204:
+            return Match(namespace, fp_hex, shard, int(tok.size))
+        return self._parse(resp, MatchModel).to_match()
+
+    def stats(self, namespace: str | None = None) -> dict[str, Any]:
+        """One namespace's counts (the service never answers for all namespaces at once)."""
+        resp = self._call("GET", namespace or self.namespace, "stats")
+        return self._parse(resp, StatsModel).model_dump()
+
+    # -- replicas (of the namespace's blobs only) -----------------------------------------
+
     def record_replica(
         self,
         blob_key: str,
@@ -254,7 +406,7 @@ class RemoteCatalog:
         self,
         blob_key: str,
         location: str,
-        state: str,
+        state: ReplicaState,
         *,
         reason: str,
         namespace: str | None = None,
@@ -270,49 +422,42 @@ class RemoteCatalog:
         resp = self._call("POST", namespace or self.namespace, "replicas/mark", body)
         return self._parse(resp, MarkReplicaResponse).changed
 
-    def known_blob_keys(
+    def touch_verified(
+        self, location: str, blob_keys: Sequence[str], *, namespace: str | None = None
+    ) -> int:
+        if not blob_keys:
+            return 0
+        body = {"location": location, "blob_keys": list(blob_keys)}
+        resp = self._call("POST", namespace or self.namespace, "replicas/verified", body)
+        return self._parse(resp, CountResponse).count
+
+    def replicas_at(self, location: str, *, namespace: str | None = None) -> list[str]:
+        resp = self._call(
+            "GET", namespace or self.namespace, "replicas", params={"location": location}
+        )
+        return self._parse(resp, ReplicaKeys).blob_keys
+
+    def remove_replicas(
         self,
-        namespace: str,
-        fingerprint: Fingerprint | str,
-        prefix_hashes: Sequence[bytes],
-        shard: Shard,
-    ) -> dict[bytes, str]:
-        if not prefix_hashes:
-            return {}
+        location: str,
+        blob_keys: Sequence[str],
+        *,
+        reason: str,
+        namespace: str | None = None,
+        actor: str | None = None,
+    ) -> int:
+        if not blob_keys:
+            return 0
         body = {
-            "fingerprint": fingerprint_hex(fingerprint),
-            "prefix_hashes": [h.hex() for h in prefix_hashes],
-            "shard": ShardModel.of(shard).model_dump(),
+            "location": location,
+            "blob_keys": list(blob_keys),
+            "reason": reason,
+            "actor": actor,
         }
-        resp = self._call("POST", namespace, "known", body)
-        found = self._parse(resp, KnownResponse).blob_keys
-        return {bytes.fromhex(h): k for h, k in found.items()}
+        resp = self._call("POST", namespace or self.namespace, "replicas/remove", body)
+        return self._parse(resp, CountResponse).count
 
-    # -- lookup --------------------------------------------------------------------------
-
-    def lookup(
-        self,
-        namespace: str,
-        fingerprint: Fingerprint | str,
-        tokens: Sequence[int] | np.ndarray[Any, Any],
-        shard: Shard | None = None,
-        max_tokens: int | None = None,
-    ) -> Match:
-        """The longest restorable prefix of `tokens` and its chunks; a miss is an empty Match."""
-        fp_hex = fingerprint_hex(fingerprint)
-        tok = token_array(tokens)
-        body = {
-            "fingerprint": fp_hex,
-            "tokens": tok.tolist(),
-            "shard": None if shard is None else ShardModel.of(shard).model_dump(),
-            "max_tokens": max_tokens,
-        }
-        resp = self._call("POST", namespace, "lookup", body)
-        if resp.status_code == 204:
-            return Match(namespace, fp_hex, shard, int(tok.size))
-        return self._parse(resp, MatchModel).to_match()
-
-    # -- refs ------------------------------------------------------------------------------
+    # -- refs and pins -----------------------------------------------------------------------
 
     def create_ref(
         self,
@@ -325,6 +470,7 @@ class RemoteCatalog:
         forked_from: str | None = None,
         actor: str | None = None,
     ) -> RefInfo:
+        _check_name("ref", name)
         body = {
             "fingerprint": fingerprint_hex(fingerprint),
             "head_hash": head_hash.hex(),
@@ -336,6 +482,7 @@ class RemoteCatalog:
         return self._parse(resp, RefModel).to_info()
 
     def get_ref(self, namespace: str, name: str) -> RefInfo:
+        _check_name("ref", name)
         resp = self._call("GET", namespace, f"refs/{_ref_path(name)}")
         return self._parse(resp, RefModel).to_info()
 
@@ -353,6 +500,7 @@ class RemoteCatalog:
         pending_token: int | None = None,
         actor: str | None = None,
     ) -> RefInfo:
+        _check_name("ref", name)
         body = {
             "expected_head": expected_head.hex(),
             "new_head": new_head.hex(),
@@ -365,27 +513,108 @@ class RemoteCatalog:
     def fork_ref(
         self, namespace: str, source: str, name: str, *, actor: str | None = None
     ) -> RefInfo:
+        _check_name("ref", source)
         body = {"name": name, "actor": actor}
         resp = self._call("POST", namespace, f"refs/{_ref_path(source)}/fork", body)
         return self._parse(resp, RefModel).to_info()
 
     def delete_ref(self, namespace: str, name: str, *, actor: str | None = None) -> None:
-        self._call("DELETE", namespace, f"refs/{_ref_path(name)}")
+        _check_name("ref", name)
+        self._call("DELETE", namespace, f"refs/{_ref_path(name)}", params={"actor": actor})
 
-    # -- lineage, quarantine, stats ----------------------------------------------------------
+    def pin(
+        self,
+        namespace: str,
+        name: str,
+        prefix_hash: bytes,
+        *,
+        ttl_s: float | None = None,
+        reason: str | None = None,
+        actor: str | None = None,
+    ) -> PinInfo:
+        _check_name("pin", name)
+        body = {"prefix_hash": prefix_hash.hex(), "ttl_s": ttl_s, "reason": reason, "actor": actor}
+        resp = self._call("PUT", namespace, f"pins/{_ref_path(name)}", body)
+        return self._parse(resp, PinModel).to_info()
+
+    def unpin(self, namespace: str, name: str, *, actor: str | None = None) -> None:
+        _check_name("pin", name)
+        self._call("DELETE", namespace, f"pins/{_ref_path(name)}", params={"actor": actor})
+
+    def list_pins(self, namespace: str, *, include_expired: bool = True) -> list[PinInfo]:
+        params = {"include_expired": "true" if include_expired else "false"}
+        resp = self._call("GET", namespace, "pins", params=params)
+        return [p.to_info() for p in self._parse(resp, PinList).pins]
+
+    def declare_demand(
+        self,
+        worker: str,
+        namespace: str,
+        prefix_hash: bytes,
+        *,
+        priority: float = 1.0,
+        ttl_s: float = 3600,
+    ) -> None:
+        body = {
+            "worker": worker,
+            "prefix_hash": prefix_hash.hex(),
+            "priority": priority,
+            "ttl_s": ttl_s,
+        }
+        self._call("POST", namespace, "demand", body)
+
+    def demand(self, namespace: str, prefix_hashes: Sequence[bytes]) -> dict[bytes, float]:
+        if not prefix_hashes:
+            return {}
+        body = {"prefix_hashes": sorted({h.hex() for h in prefix_hashes})}
+        resp = self._call("POST", namespace, "demand/query", body, read_only=True)
+        found = self._parse(resp, DemandResponse).demand
+        return {bytes.fromhex(h): p for h, p in found.items()}
+
+    # -- lineage, quarantine, history ----------------------------------------------------------
+
+    def get_prefix(self, namespace: str, prefix_hash: bytes) -> PrefixInfo:
+        resp = self._call("GET", namespace, f"prefixes/{_hash_path(prefix_hash)}")
+        return self._parse(resp, PrefixModel).to_info()
 
     def lineage(self, namespace: str, prefix_hash: bytes) -> list[PrefixInfo]:
-        resp = self._call("GET", namespace, f"prefixes/{prefix_hash.hex()}/lineage")
+        resp = self._call("GET", namespace, f"prefixes/{_hash_path(prefix_hash)}/lineage")
+        return [p.to_info() for p in self._parse(resp, Lineage).prefixes]
+
+    def descendants(self, namespace: str, prefix_hash: bytes) -> list[PrefixInfo]:
+        resp = self._call("GET", namespace, f"prefixes/{_hash_path(prefix_hash)}/descendants")
         return [p.to_info() for p in self._parse(resp, Lineage).prefixes]
 
     def quarantine(
         self, namespace: str, prefix_hash: bytes, reason: str, *, actor: str | None = None
     ) -> list[InvalidationDirective]:
-        body = {"prefix_hash": prefix_hash.hex(), "reason": reason, "actor": actor}
+        body = {"prefix_hash": _hash_path(prefix_hash), "reason": reason, "actor": actor}
         resp = self._call("POST", namespace, "quarantine", body)
         return [d.to_directive() for d in self._parse(resp, QuarantineResponse).directives]
 
-    def stats(self, namespace: str | None = None) -> dict[str, Any]:
-        """One namespace's counts (the service never answers for all namespaces at once)."""
-        resp = self._call("GET", namespace or self.namespace, "stats")
-        return self._parse(resp, StatsModel).model_dump()
+    def events(
+        self,
+        *,
+        namespace: str | None = None,
+        kind: str | None = None,
+        since_seq: int = 0,
+        limit: int = 1000,
+    ) -> list[EventInfo]:
+        """The history of `namespace` (the client's without one: the service never answers
+        for all namespaces at once)."""
+        params = {"kind": kind, "since_seq": since_seq, "limit": limit}
+        resp = self._call("GET", namespace or self.namespace, "events", params=params)
+        return [e.to_info() for e in self._parse(resp, EventList).events]
+
+
+def _hash_path(prefix_hash: bytes) -> str:
+    if not isinstance(prefix_hash, bytes) or len(prefix_hash) != 32:
+        raise IdentityError(f"prefix hash must be 32 bytes, got {prefix_hash!r:.80}")
+    return prefix_hash.hex()
+
+
+if TYPE_CHECKING:
+
+    def _conforms(remote: RemoteCatalog) -> CatalogAPI:
+        # mypy fails here when RemoteCatalog drifts from the catalog seam.
+        return remote

@@ -14,6 +14,7 @@ import blake3
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
+from catalog.base import CatalogAPI
 from catalog.catalog import Catalog
 from chunkstore import open_store
 from kvc.remote import RemoteCatalog
@@ -89,7 +90,7 @@ def main() -> None:
     args = json.loads(sys.argv[1])
     model = load(args["model_dir"], args["dtype"])
     remote = args.get("remote")
-    cat: Any = (
+    cat: CatalogAPI = (
         RemoteCatalog(remote["url"], remote["token"])
         if remote
         else Catalog.open(args["catalog"])

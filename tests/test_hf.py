@@ -23,6 +23,7 @@ import pytest
 import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
+from catalog.base import CatalogAPI
 from catalog.catalog import Catalog
 from catalog.models import Shard
 from chunkstore import ChunkStore, open_store
@@ -151,7 +152,7 @@ def test_resume_in_a_new_process_is_bit_identical(
     }
     try:
         with serve_in_thread(create_app(cat, {"default": hash_token(TOKEN)}, max_prompt_tokens=4096)) as url:
-            writer: Any = RemoteCatalog(url, TOKEN) if catalog_kind == "remote" else cat
+            writer: CatalogAPI = RemoteCatalog(url, TOKEN) if catalog_kind == "remote" else cat
             cache = prefill(model, p[:split])
             with HFAdapter(model, writer, stores, chunk_size=CHUNK) as kv:
                 result = kv.checkpoint(p[: split + 1], cache, name="chat-1")

@@ -35,8 +35,9 @@ from catalog.models import Shard
 from chunkstore import ChunkStore, open_store
 from chunkstore.errors import StoreURLError
 from chunkstore.record import encode_chunk
-from kvc.service import ChunkRecordModel, create_app, hash_token
+from kvc.service import create_app, hash_token
 from kvc.settings import Settings
+from kvc.wire import ChunkRecordModel
 from restore.checkpoint import Checkpointer
 from restore.engines.reference import ReferenceModel
 from restore.errors import RestoreError
@@ -73,17 +74,22 @@ def snapshot(cat: Catalog, store: ChunkStore | None = None) -> tuple[dict[str, i
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TestClient, dict[str, Any]]]:
-    cat = Catalog.open(
-        f"sqlite:///{tmp_path_factory.mktemp('svc') / 'catalog.db'}", upgrade=True
-    )
+def service(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[TestClient, dict[str, Any]]]:
+    cat = Catalog.open(f"sqlite:///{tmp_path_factory.mktemp('svc') / 'catalog.db'}", upgrade=True)
     cat.ensure_namespace("a", CS)
     cat.ensure_namespace("b", CS)
     recs = chain_records("a", TOKENS)
     cat.record_chunks(recs)
     tokens = {"a": hash_token(TOKEN_A), "b": hash_token(TOKEN_B)}
     app = create_app(cat, tokens, max_prompt_tokens=MAX_PROMPT)
-    shard = {"layer_lo": 0, "layer_hi": LAYOUT.num_layers, "head_lo": 0, "head_hi": LAYOUT.num_kv_heads}
+    shard = {
+        "layer_lo": 0,
+        "layer_hi": LAYOUT.num_layers,
+        "head_lo": 0,
+        "head_hi": LAYOUT.num_kv_heads,
+    }
     h = [r.prefix_hash.hex() for r in recs]
     other = chain_records("a", list(range(300, 309)))
     valid: dict[str, Any] = {
@@ -125,8 +131,9 @@ LEAVES = st.one_of(
 )
 HOSTILE = st.recursive(
     LEAVES,
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(st.text(max_size=12), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=12), children, max_size=4)
+    ),
     max_leaves=12,
 )
 SEGMENT = st.one_of(
@@ -176,7 +183,9 @@ ENDPOINTS: list[tuple[str, Callable[[str], str], str | None]] = [
 
 
 @pytest.mark.parametrize(
-    ("method", "path", "body_key"), ENDPOINTS, ids=[f"{m} {k or i}" for i, (m, _, k) in enumerate(ENDPOINTS)]
+    ("method", "path", "body_key"),
+    ENDPOINTS,
+    ids=[f"{m} {k or i}" for i, (m, _, k) in enumerate(ENDPOINTS)],
 )
 @FUZZ
 @given(data=st.data())
@@ -191,7 +200,9 @@ def test_fuzzed_requests_never_500(
     url = path(seg(data.draw(SEGMENT)))
     content: bytes | None = None
     if body_key is not None:
-        body = data.draw(HOSTILE) if data.draw(st.booleans()) else mutate(valid[body_key], data.draw)
+        body = (
+            data.draw(HOSTILE) if data.draw(st.booleans()) else mutate(valid[body_key], data.draw)
+        )
         content = json.dumps(body).encode()  # NaN and Infinity as JSON's non-standard literals
     r = client.request(
         method,
@@ -212,7 +223,9 @@ def test_oversized_prompt_is_refused_before_the_catalog(
         ("lookup", {"fingerprint": FP.hex, "tokens": list(range(MAX_PROMPT + 1))}),
         ("known", {**valid["known"], "prefix_hashes": valid["hashes"][:1] * (MAX_PROMPT + 1)}),
     ]:
-        r = client.post(f"/v1/namespaces/a/{path}", json=body, headers={"Authorization": f"Bearer {TOKEN_A}"})
+        r = client.post(
+            f"/v1/namespaces/a/{path}", json=body, headers={"Authorization": f"Bearer {TOKEN_A}"}
+        )
         assert r.status_code in (413, 422)
         assert str(MAX_PROMPT) in r.json()["detail"]
 
@@ -326,7 +339,9 @@ def test_kv_shapes_that_do_not_match_the_layout(cat: Catalog, store: ChunkStore)
         pool.append(route, np.zeros(good, np.float32), np.zeros(good, np.float32))
     with pytest.raises(ValueError, match="same shape"):
         pool.append(
-            route, np.zeros(good, np.float16), np.zeros((LAYOUT.num_layers, 3, *good[2:]), np.float16)
+            route,
+            np.zeros(good, np.float16),
+            np.zeros((LAYOUT.num_layers, 3, *good[2:]), np.float16),
         )
     assert pool.length(route) == 0
     with pytest.raises(ValueError):
@@ -439,13 +454,43 @@ _PATHS = st.lists(st.text(alphabet="abz09._-%~ ", max_size=8), max_size=4).map(
     lambda xs: "/" + "/".join(xs)
 )
 _OPTION_NAMES = st.sampled_from(
-    ["endpoint_url", "region", "retry_mode", "max_attempts", "connect_timeout", "part_size",
-     "multipart_threshold", "max_concurrency", "addressing_style", "refresh_after_s",
-     "temp_grace_s", "read_timeout", "token", "secret"]
+    [
+        "endpoint_url",
+        "region",
+        "retry_mode",
+        "max_attempts",
+        "connect_timeout",
+        "part_size",
+        "multipart_threshold",
+        "max_concurrency",
+        "addressing_style",
+        "refresh_after_s",
+        "temp_grace_s",
+        "read_timeout",
+        "token",
+        "secret",
+    ]
 )
 _OPTION_VALUES = st.one_of(
-    st.sampled_from(["", "nan", "inf", "-1", "0", "1", "8MiB", "5GiB", "9" * 40, "standard",
-                     "path", "us-east-1", "http://h:1", f"http://AK:{SECRET}@h:1", "ftp://x"]),
+    st.sampled_from(
+        [
+            "",
+            "nan",
+            "inf",
+            "-1",
+            "0",
+            "1",
+            "8MiB",
+            "5GiB",
+            "9" * 40,
+            "standard",
+            "path",
+            "us-east-1",
+            "http://h:1",
+            f"http://AK:{SECRET}@h:1",
+            "ftp://x",
+        ]
+    ),
     st.text(alphabet="abc019.:/-@%", max_size=12),
 )
 _QUERIES = st.lists(st.tuples(_OPTION_NAMES, _OPTION_VALUES), max_size=3).map(
@@ -494,15 +539,29 @@ def test_store_url_with_a_nul_byte_is_a_store_url_error(tmp_path: Path) -> None:
 # -- settings ---------------------------------------------------------------------------------
 
 _FIELDS = [
-    "home", "catalog_url", "stores", "namespace", "chunk_size", "page_size", "host", "port",
-    "daemon_port", "worker_id", "service_url", "service_token", "tokens_file", "max_prompt_tokens",
+    "home",
+    "catalog_url",
+    "stores",
+    "namespace",
+    "chunk_size",
+    "page_size",
+    "host",
+    "port",
+    "daemon_port",
+    "worker_id",
+    "service_url",
+    "service_token",
+    "tokens_file",
+    "max_prompt_tokens",
 ]
 _ENV_TEXT = st.text(
     alphabet=st.characters(exclude_categories=["Cs"], exclude_characters="\x00"), max_size=30
 )
 _ENV_VALUES = st.one_of(
     _ENV_TEXT,
-    st.sampled_from(["nan", "inf", "-1", "0", "65536", "65537", "1e3", "9" * 40, "true", "[]", "{}", " 8 "]),
+    st.sampled_from(
+        ["nan", "inf", "-1", "0", "65536", "65537", "1e3", "9" * 40, "true", "[]", "{}", " 8 "]
+    ),
 )
 
 

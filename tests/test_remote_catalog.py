@@ -67,11 +67,11 @@ def test_resume_through_the_service_is_bit_identical(
         pool = PagePool(MODEL.layout, page_size=PAGE, num_pages=256)
         route = pool.new_route()
         MODEL.prefill(pool, route, p)
-        with Checkpointer(remote, store, chunk_size=CHUNK) as cp:  # type: ignore[arg-type]
+        with Checkpointer(remote, store, chunk_size=CHUNK) as cp:
             cp.checkpoint(pool, route, p, MODEL.fingerprint, name="conversation")
 
         target = PagePool(MODEL.layout, page_size=PAGE, num_pages=256)
-        with Restorer(remote, [store]) as r:  # type: ignore[arg-type]
+        with Restorer(remote, [store]) as r:
             res = r.restore(target, p, MODEL.fingerprint)
         assert res.restored_tokens == 99 and res.route is not None
         got = run(target, res.route, p[99:], 5)
@@ -93,7 +93,7 @@ def test_a_second_checkpoint_moves_the_ref_by_cas_and_skips_known_chunks(
     route = pool.new_route()
     MODEL.prefill(pool, route, p)
     with RemoteCatalog(base_url, TOKEN) as remote:
-        with Checkpointer(remote, store, chunk_size=CHUNK) as cp:  # type: ignore[arg-type]
+        with Checkpointer(remote, store, chunk_size=CHUNK) as cp:
             first: Any = cp.checkpoint(pool, route, p[:64], MODEL.fingerprint, name="c")
             second: Any = cp.checkpoint(pool, route, p, MODEL.fingerprint, name="c")
         assert first.new_chunks == 2

@@ -20,7 +20,8 @@ with warnings.catch_warnings():
 from catalog.catalog import Catalog
 from catalog.schema import Replica
 from kvc.remote import RemoteCatalog
-from kvc.service import ChunkRecordModel, create_app, hash_token
+from kvc.service import create_app, hash_token
+from kvc.wire import ChunkRecordModel
 from tests.catalog_helpers import CS, FP, chain_records, kill_gc_after_marking, publish
 from tests.services import serve_in_thread
 
@@ -465,3 +466,45 @@ def test_the_largest_storable_values_are_stored(any_backend: tuple[TestClient, C
             sa.select(Replica.size, Replica.stored_at).where(Replica.location == "file:///s")
         ).one()
     assert size == 2**63 - 1 and stored_at == datetime(2024, 1, 1, tzinfo=UTC)
+
+
+# -- metrics and health ----------------------------------------------------------------
+
+
+def test_two_apps_in_one_process_count_apart(client: TestClient, cat: Catalog) -> None:
+    from prometheus_client import CONTENT_TYPE_LATEST
+
+    other = create_app(cat, {"a": hash_token(TOKEN_A)}, max_prompt_tokens=MAX_PROMPT)
+    with TestClient(other) as second:
+        second.post("/v1/namespaces/a/lookup", json=lookup_body(), headers=auth())
+        assert metrics(second)["kvc_lookups_total"] == 1
+    assert metrics(client)["kvc_lookups_total"] == 0
+    r = client.get("/metrics")
+    assert r.headers["content-type"] == CONTENT_TYPE_LATEST  # Prometheus text format
+    assert "# HELP kvc_publish_chunks_total Chunks newly recorded by publishes." in r.text
+
+
+def test_healthz_is_503_when_the_catalog_does_not_answer(
+    client: TestClient, cat: Catalog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def down() -> None:
+        raise ConnectionRefusedError("db-password-in-a-message")
+
+    monkeypatch.setattr(cat, "ping", down)
+    r = client.get("/healthz")
+    assert r.status_code == 503 and r.json() == {"detail": "catalog unavailable"}
+
+
+def test_the_catalogs_unavailability_is_503_with_retry_after(
+    client: TestClient, cat: Catalog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from catalog.errors import CatalogUnavailableError
+
+    def down(*a: object, **k: object) -> None:
+        raise CatalogUnavailableError("the database is restarting")
+
+    monkeypatch.setattr(cat, "list_refs", down)
+    r = client.get("/v1/namespaces/a/refs", headers=auth())
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"] == "CatalogUnavailableError"
+    assert metrics(client)["kvc_catalog_unavailable_total"] == 1

@@ -19,7 +19,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=".*httpx2.*")
     from fastapi.testclient import TestClient
 
-import kvc.service
+import kvc.service.auth
 from catalog.catalog import Catalog
 from catalog.errors import NotFoundError
 from catalog.schema import Chunk, PrefixNode
@@ -48,7 +48,9 @@ def cat(tmp_path: Path) -> Iterator[Catalog]:
 
 @pytest.fixture
 def client(cat: Catalog) -> Iterator[TestClient]:
-    app = create_app(cat, {"a": hash_token(TOKEN_A), "b": hash_token(TOKEN_B)}, max_prompt_tokens=64)
+    app = create_app(
+        cat, {"a": hash_token(TOKEN_A), "b": hash_token(TOKEN_B)}, max_prompt_tokens=64
+    )
     with TestClient(app, raise_server_exceptions=False) as c:
         yield c
 
@@ -121,14 +123,18 @@ def test_identical_prompts_in_two_namespaces_share_nothing(cat: Catalog) -> None
     by_ns: dict[int, set[bytes]] = {}
     for h, ns in prefixes:
         by_ns.setdefault(ns, set()).add(h)
-    assert sorted(map(frozenset, by_ns.values()), key=len) == sorted([frozenset(ha), frozenset(hb)], key=len)
+    assert sorted(map(frozenset, by_ns.values()), key=len) == sorted(
+        [frozenset(ha), frozenset(hb)], key=len
+    )
     assert sorted(h for (h,) in chunks) == sorted(ha | hb)  # one chunk row each, none shared
 
 
 # -- the service ---------------------------------------------------------------------
 
 
-def test_a_token_on_b_namespace_is_an_indistinguishable_404(client: TestClient, cat: Catalog) -> None:
+def test_a_token_on_b_namespace_is_an_indistinguishable_404(
+    client: TestClient, cat: Catalog
+) -> None:
     recs_b = publish(cat, "b", TOKENS)
     cat.create_ref("b", "r", FP, recs_b[0].prefix_hash)
     b_hash = recs_b[1].prefix_hash.hex()
@@ -150,7 +156,9 @@ def test_a_token_on_b_namespace_is_an_indistinguishable_404(client: TestClient, 
     assert theirs.status_code == nobody.status_code == 404
     assert theirs.json() == nobody.json() == nonexistent.json()
     hit = client.post(
-        "/v1/namespaces/a/lookup", json={"fingerprint": FP.hex, "tokens": [*TOKENS, 1]}, headers=auth(TOKEN_A)
+        "/v1/namespaces/a/lookup",
+        json={"fingerprint": FP.hex, "tokens": [*TOKENS, 1]},
+        headers=auth(TOKEN_A),
     )
     assert hit.status_code == 204
     # Nothing about B changed.
@@ -178,7 +186,7 @@ def test_tokens_are_compared_with_hmac_compare_digest(
         calls.append((a, b))
         return real(a, b)
 
-    assert vars(kvc.service)["hmac"] is hmac  # kvc.service calls hmac.compare_digest
+    assert vars(kvc.service.auth)["hmac"] is hmac  # kvc.service.auth calls hmac.compare_digest
     monkeypatch.setattr(hmac, "compare_digest", spy)
     assert client.get("/v1/namespaces/a/refs", headers=auth(TOKEN_A)).status_code == 200
     assert client.get("/v1/namespaces/a/refs", headers=auth("wrong")).status_code == 401
@@ -193,7 +201,11 @@ def test_a_bearer_token_is_never_logged(
 ) -> None:
     caplog.set_level(logging.DEBUG)
     publish(cat, "a", TOKENS)
-    client.post("/v1/namespaces/a/lookup", json={"fingerprint": FP.hex, "tokens": [*TOKENS, 1]}, headers=auth(TOKEN_A))
+    client.post(
+        "/v1/namespaces/a/lookup",
+        json={"fingerprint": FP.hex, "tokens": [*TOKENS, 1]},
+        headers=auth(TOKEN_A),
+    )
     client.get("/v1/namespaces/b/refs", headers=auth(TOKEN_A))
     client.get("/v1/namespaces/a/refs", headers=auth(TOKEN_A + "x"))
     client.post("/v1/namespaces/a/chunks", json={"records": "x"}, headers=auth(TOKEN_A))
@@ -209,8 +221,17 @@ KVC = str(Path(sys.executable).parent / "kvc")
 
 def run_kvc(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [KVC, *args], cwd=cwd, capture_output=True, text=True, timeout=120, check=False,
-        env={"PATH": str(Path(sys.executable).parent), "HOME": str(cwd), "KVC_CONFIG": str(cwd / "none.toml")},
+        [KVC, *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={
+            "PATH": str(Path(sys.executable).parent),
+            "HOME": str(cwd),
+            "KVC_CONFIG": str(cwd / "none.toml"),
+        },
     )
 
 

@@ -1,0 +1,618 @@
+"""The HTTP catalog's wire models: the pydantic bodies `kvc serve` and `RemoteCatalog` exchange.
+
+Shared by the server (kvc/service/) and the client (kvc/remote.py); imports
+no web framework, so a worker that only talks to a service never loads one.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+)
+
+from catalog.identity import MAX_TOKEN_ID
+from catalog.models import (
+    ChunkMatch,
+    ChunkRecord,
+    EventInfo,
+    InvalidationDirective,
+    Match,
+    PinInfo,
+    PrefixInfo,
+    RefInfo,
+    ReplicaInfo,
+    ReplicaReceipt,
+    Shard,
+)
+
+API_ROOT = "/v1/namespaces/"
+API_PREFIX = API_ROOT + "{namespace}"
+# One body for every "no such thing", whether it is missing or belongs to another
+# tenant: the same as an unknown path, so nothing leaks which namespaces exist.
+NOT_FOUND = {"detail": "Not Found"}
+
+# -- wire models ---------------------------------------------------------------
+
+# What reaches the catalog fits its columns, refused here with a 422 naming the field
+# rather than by the database with a 500: BIGINT counts, VARCHAR lengths, and no NUL
+# characters (PostgreSQL text cannot hold them; SQLite would store anything).
+_NO_NUL = r"^[^\x00]*$"
+Hex64 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+TokenId = Annotated[int, Field(strict=True, ge=0, le=MAX_TOKEN_ID)]
+Count = Annotated[int, Field(strict=True, ge=0, le=2**63 - 1)]
+TierName = Literal["resident", "local", "object"]
+StateName = Literal["durable", "ready", "corrupt", "missing", "deleting"]
+Text = Annotated[str, StringConstraints(min_length=1, max_length=1024, pattern=_NO_NUL)]
+Short = Annotated[str, StringConstraints(max_length=255, pattern=_NO_NUL)]
+# A replica's location is a URI; the catalog files its store under the scheme (16 characters).
+Location = Annotated[
+    str,
+    StringConstraints(max_length=1024, pattern=r"^[A-Za-z][A-Za-z0-9+.\-]{0,15}:[^\x00]*$"),
+]
+RefName = Annotated[str, StringConstraints(min_length=1, max_length=255, pattern=_NO_NUL)]
+Actor = Short | None
+Reason = Annotated[str, StringConstraints(max_length=1024, pattern=_NO_NUL)]
+
+
+def _utc(value: datetime) -> datetime:
+    try:
+        return value.astimezone(UTC)
+    except OverflowError:
+        raise ValueError("the time is out of range in UTC") from None
+
+
+# Stored in UTC: an offset that moves it past year 1 or 9999 would not fit.
+UtcDatetime = Annotated[AwareDatetime, AfterValidator(_utc)]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ShardModel(_Model):
+    layer_lo: Count
+    layer_hi: Count
+    head_lo: Count
+    head_hi: Count
+
+    @classmethod
+    def of(cls, s: Shard) -> ShardModel:
+        return cls(layer_lo=s.layer_lo, layer_hi=s.layer_hi, head_lo=s.head_lo, head_hi=s.head_hi)
+
+    def to_shard(self) -> Shard:
+        return Shard(self.layer_lo, self.layer_hi, self.head_lo, self.head_hi)
+
+
+class ReceiptModel(_Model):
+    location: Location
+    tier: TierName
+    size: Count
+    checksum: Annotated[Short, StringConstraints(min_length=1)]
+    stored_at: UtcDatetime
+    etag: Short | None = None
+    version: Short | None = None
+    worker: Short | None = None
+
+    @classmethod
+    def of(cls, r: ReplicaReceipt) -> ReceiptModel:
+        return cls(
+            location=r.location,
+            tier=r.tier,
+            size=r.size,
+            checksum=r.checksum,
+            stored_at=r.stored_at,
+            etag=r.etag,
+            version=r.version,
+            worker=r.worker,
+        )
+
+    def to_receipt(self) -> ReplicaReceipt:
+        return ReplicaReceipt(
+            self.location,
+            self.tier,
+            self.size,
+            self.checksum,
+            self.stored_at,
+            self.etag,
+            self.version,
+            self.worker,
+        )
+
+
+class NamespaceRequest(_Model):
+    chunk_size: Annotated[int, Field(strict=True, ge=1, le=65536)]
+
+
+class NamespaceResponse(_Model):
+    chunk_size: int | None
+
+
+class FingerprintModel(_Model):
+    fingerprint: Hex64
+    descriptor: dict[str, Any]
+
+
+class RegisterFingerprintRequest(_Model):
+    descriptor: dict[str, Any]
+
+
+class LookupRequest(_Model):
+    fingerprint: Hex64
+    tokens: list[TokenId] = Field(min_length=1)
+    shard: ShardModel | None = None
+    max_tokens: Count | None = None
+
+
+class ReplicaModel(_Model):
+    location: str
+    tier: TierName
+    state: StateName
+    size: int
+    worker: str | None = None
+    checksum: str | None = None
+    stored_at: datetime | None = None
+    etag: str | None = None
+    version: str | None = None
+    last_verified_at: datetime | None = None
+
+    @classmethod
+    def of(cls, r: ReplicaInfo) -> ReplicaModel:
+        return cls(**r._asdict())
+
+    def to_info(self) -> ReplicaInfo:
+        return ReplicaInfo(**self.model_dump())
+
+
+class ChunkMatchModel(_Model):
+    prefix_hash: Hex64
+    parent_hash: Hex64
+    blob_key: Hex64
+    token_start: int
+    token_count: int
+    tokens_used: int
+    codec: str
+    stored_bytes: int
+    kv_bytes: int
+    replicas: list[ReplicaModel]
+
+    @classmethod
+    def of(cls, c: ChunkMatch) -> ChunkMatchModel:
+        return cls(
+            prefix_hash=c.prefix_hash.hex(),
+            parent_hash=c.parent_hash.hex(),
+            blob_key=c.blob_key,
+            token_start=c.token_start,
+            token_count=c.token_count,
+            tokens_used=c.tokens_used,
+            codec=c.codec,
+            stored_bytes=c.stored_bytes,
+            kv_bytes=c.kv_bytes,
+            replicas=[ReplicaModel.of(r) for r in c.replicas],
+        )
+
+    def to_match(self) -> ChunkMatch:
+        return ChunkMatch(
+            bytes.fromhex(self.prefix_hash),
+            bytes.fromhex(self.parent_hash),
+            self.blob_key,
+            self.token_start,
+            self.token_count,
+            self.tokens_used,
+            self.codec,
+            self.stored_bytes,
+            self.kv_bytes,
+            tuple(r.to_info() for r in self.replicas),
+        )
+
+
+class MatchModel(_Model):
+    namespace: str
+    fingerprint: Hex64
+    shard: ShardModel | None
+    prompt_tokens: int
+    matched_tokens: int
+    chunks: list[ChunkMatchModel]
+
+    @classmethod
+    def of(cls, m: Match) -> MatchModel:
+        return cls(
+            namespace=m.namespace,
+            fingerprint=m.fingerprint,
+            shard=None if m.shard is None else ShardModel.of(m.shard),
+            prompt_tokens=m.prompt_tokens,
+            matched_tokens=m.matched_tokens,
+            chunks=[ChunkMatchModel.of(c) for c in m.chunks],
+        )
+
+    def to_match(self) -> Match:
+        return Match(
+            self.namespace,
+            self.fingerprint,
+            None if self.shard is None else self.shard.to_shard(),
+            self.prompt_tokens,
+            self.matched_tokens,
+            tuple(c.to_match() for c in self.chunks),
+        )
+
+
+class ChunkRecordModel(_Model):
+    """A publish record; the namespace is the one in the path, the fingerprint a hex."""
+
+    fingerprint: Hex64
+    prefix_hash: Hex64
+    parent_hash: Hex64
+    token_start: Count
+    tokens: list[TokenId] = Field(min_length=1)
+    shard: ShardModel
+    blob_key: Hex64
+    codec: Annotated[str, StringConstraints(min_length=1, max_length=32, pattern=_NO_NUL)]
+    stored_bytes: Count
+    kv_bytes: Count
+    receipts: list[ReceiptModel] = Field(min_length=1)
+
+    @classmethod
+    def of(cls, r: ChunkRecord) -> ChunkRecordModel:
+        return cls(
+            fingerprint=r.fingerprint.hex,
+            prefix_hash=r.prefix_hash.hex(),
+            parent_hash=r.parent_hash.hex(),
+            token_start=r.token_start,
+            tokens=[int(t) for t in r.tokens],
+            shard=ShardModel.of(r.shard),
+            blob_key=r.blob_key,
+            codec=r.codec,
+            stored_bytes=r.stored_bytes,
+            kv_bytes=r.kv_bytes,
+            receipts=[ReceiptModel.of(x) for x in r.receipts],
+        )
+
+
+class PublishRequest(_Model):
+    """Records, and the descriptor of each fingerprint they use (registered by the service)."""
+
+    fingerprints: dict[Hex64, dict[str, Any]] = Field(default_factory=dict)
+    records: list[ChunkRecordModel] = Field(min_length=1)
+    actor: Actor = None
+
+
+class ConflictModel(_Model):
+    prefix_hash: Hex64
+    kept_key: Hex64
+    rejected_key: Hex64
+
+
+class PublishResponse(_Model):
+    recorded: int
+    already_present: int
+    replicas_added: int
+    conflicts: list[ConflictModel] = Field(default_factory=list)
+
+
+class RecordReplicaRequest(_Model):
+    blob_key: Hex64
+    receipt: ReceiptModel
+    actor: Actor = None
+
+
+class RecordReplicaResponse(_Model):
+    added: bool
+
+
+class MarkReplicaRequest(_Model):
+    blob_key: Hex64
+    location: Text
+    state: StateName
+    reason: Reason
+    actor: Actor = None
+
+
+class MarkReplicaResponse(_Model):
+    changed: bool
+
+
+class KnownRequest(_Model):
+    fingerprint: Hex64
+    prefix_hashes: list[Hex64]
+    shard: ShardModel
+
+
+class KnownResponse(_Model):
+    blob_keys: dict[Hex64, Hex64]
+
+
+class RefModel(_Model):
+    namespace: str
+    name: str
+    fingerprint: Hex64
+    head_hash: Hex64
+    processed: int
+    pending_token: int | None
+    forked_from: str | None
+    created_at: datetime
+    updated_at: datetime
+
+    @classmethod
+    def of(cls, r: RefInfo) -> RefModel:
+        return cls(
+            namespace=r.namespace,
+            name=r.name,
+            fingerprint=r.fingerprint,
+            head_hash=r.head_hash.hex(),
+            processed=r.processed,
+            pending_token=r.pending_token,
+            forked_from=r.forked_from,
+            created_at=r.created_at,
+            updated_at=r.updated_at,
+        )
+
+    def to_info(self) -> RefInfo:
+        return RefInfo(
+            self.namespace,
+            self.name,
+            self.fingerprint,
+            bytes.fromhex(self.head_hash),
+            self.processed,
+            self.pending_token,
+            self.forked_from,
+            self.created_at,
+            self.updated_at,
+        )
+
+
+class RefList(_Model):
+    refs: list[RefModel]
+
+
+class CreateRefRequest(_Model):
+    fingerprint: Hex64
+    head_hash: Hex64
+    pending_token: TokenId | None = None
+    forked_from: RefName | None = None
+    actor: Actor = None
+
+
+class UpdateRefRequest(_Model):
+    expected_head: Hex64
+    new_head: Hex64
+    pending_token: TokenId | None = None
+    actor: Actor = None
+
+
+class ForkRefRequest(_Model):
+    name: RefName
+    actor: Actor = None
+
+
+class PrefixModel(_Model):
+    prefix_hash: Hex64
+    parent_hash: Hex64
+    token_start: int
+    tokens: list[int]
+    depth: int
+    quarantined: bool
+    quarantine_reason: str | None
+
+    @classmethod
+    def of(cls, p: PrefixInfo) -> PrefixModel:
+        return cls(
+            prefix_hash=p.prefix_hash.hex(),
+            parent_hash=p.parent_hash.hex(),
+            token_start=p.token_start,
+            tokens=list(p.tokens),
+            depth=p.depth,
+            quarantined=p.quarantined,
+            quarantine_reason=p.quarantine_reason,
+        )
+
+    def to_info(self) -> PrefixInfo:
+        return PrefixInfo(
+            bytes.fromhex(self.prefix_hash),
+            bytes.fromhex(self.parent_hash),
+            self.token_start,
+            tuple(self.tokens),
+            self.depth,
+            self.quarantined,
+            self.quarantine_reason,
+        )
+
+
+class Lineage(_Model):
+    prefixes: list[PrefixModel]
+
+
+class QuarantineRequest(_Model):
+    prefix_hash: Hex64
+    reason: Annotated[Reason, StringConstraints(min_length=1, strip_whitespace=True)]
+    actor: Actor = None
+
+
+class DirectiveModel(_Model):
+    location: str
+    blob_key: Hex64
+    tier: TierName
+    worker: str | None
+    prefix_hash: Hex64
+
+    @classmethod
+    def of(cls, d: InvalidationDirective) -> DirectiveModel:
+        return cls(
+            location=d.location,
+            blob_key=d.blob_key,
+            tier=d.tier,
+            worker=d.worker,
+            prefix_hash=d.prefix_hash.hex(),
+        )
+
+    def to_directive(self) -> InvalidationDirective:
+        return InvalidationDirective(
+            self.location, self.blob_key, self.tier, self.worker, bytes.fromhex(self.prefix_hash)
+        )
+
+
+class QuarantineResponse(_Model):
+    directives: list[DirectiveModel]
+
+
+class StatsModel(_Model):
+    namespace: str | None
+    chunks: int
+    prefixes: int
+    refs: int
+    stored_bytes: int
+    kv_bytes: int
+    replicas: dict[str, int]
+
+
+class Health(_Model):
+    status: Literal["ok"]
+
+
+class ErrorModel(_Model):
+    """A refusal: what is wrong, and for an error of the catalog its class name (`error`)."""
+
+    detail: str
+    error: str | None = None
+
+
+class FieldErrorModel(BaseModel):
+    """One invalid field: `loc` is its place, ["body", "records", 0, "tokens"] or ["path", "name"]."""
+
+    loc: list[str | int] = Field(min_length=1)
+    msg: str
+    type: str
+
+
+class InvalidRequestModel(BaseModel):
+    detail: list[FieldErrorModel]
+
+
+# -- replicas of the namespace, pins, demand, prefixes, history -----------------------
+
+BlobKeys = Annotated[list[Hex64], Field(max_length=100_000)]
+Seconds = Annotated[float, Field(gt=0, lt=1e10, allow_inf_nan=False)]
+PinName = Annotated[
+    str, StringConstraints(min_length=1, max_length=255, pattern=r"^[^\x00-\x1f\x7f]*$")
+]
+
+
+class ReplicaKeys(_Model):
+    """Blob keys with a replica at a location, of this namespace's chunks only."""
+
+    blob_keys: list[Hex64]
+
+
+class TouchVerifiedRequest(_Model):
+    location: Text
+    blob_keys: BlobKeys
+
+
+class RemoveReplicasRequest(_Model):
+    location: Text
+    blob_keys: BlobKeys
+    reason: Reason
+    actor: Actor = None
+
+
+class CountResponse(_Model):
+    count: int
+
+
+class PinRequest(_Model):
+    prefix_hash: Hex64
+    ttl_s: Seconds | None = None
+    reason: Reason | None = None
+    actor: Actor = None
+
+
+class PinModel(_Model):
+    namespace: str
+    name: str
+    prefix_hash: Hex64
+    reason: str | None
+    created_by: str | None
+    created_at: datetime
+    expires_at: datetime | None
+    live: bool
+
+    @classmethod
+    def of(cls, p: PinInfo) -> PinModel:
+        return cls(
+            namespace=p.namespace,
+            name=p.name,
+            prefix_hash=p.prefix_hash.hex(),
+            reason=p.reason,
+            created_by=p.created_by,
+            created_at=p.created_at,
+            expires_at=p.expires_at,
+            live=p.live,
+        )
+
+    def to_info(self) -> PinInfo:
+        return PinInfo(
+            self.namespace,
+            self.name,
+            bytes.fromhex(self.prefix_hash),
+            self.reason,
+            self.created_by,
+            self.created_at,
+            self.expires_at,
+            self.live,
+        )
+
+
+class PinList(_Model):
+    pins: list[PinModel]
+
+
+class DeclareDemandRequest(_Model):
+    worker: Annotated[Short, StringConstraints(min_length=1)]
+    prefix_hash: Hex64
+    priority: Annotated[float, Field(allow_inf_nan=False, ge=-1e300, le=1e300)] = 1.0
+    ttl_s: Seconds = 3600
+
+
+class DemandRequest(_Model):
+    prefix_hashes: BlobKeys
+
+
+class DemandResponse(_Model):
+    demand: dict[Hex64, float]
+
+
+class EventModel(_Model):
+    seq: int
+    at: datetime
+    kind: str
+    namespace: str | None
+    subject: str | None
+    actor: str | None
+    details: dict[str, Any]
+
+    @classmethod
+    def of(cls, e: EventInfo) -> EventModel:
+        return cls(
+            seq=e.seq,
+            at=e.at,
+            kind=e.kind,
+            namespace=e.namespace,
+            subject=e.subject,
+            actor=e.actor,
+            details=dict(e.details),
+        )
+
+    def to_info(self) -> EventInfo:
+        return EventInfo(
+            self.seq, self.at, self.kind, self.namespace, self.subject, self.actor, self.details
+        )
+
+
+class EventList(_Model):
+    events: list[EventModel]
