@@ -367,6 +367,8 @@ class Names:
                     stmt.on_conflict_do_update(
                         index_elements=["worker", "prefix_hash"],
                         set_={"priority": priority, "expires_at": expires},
+                        # Only the namespace that declared it may renew it (no cross-tenant writes).
+                        where=Demand.namespace_id == ns[0],
                     )
                 )
 

@@ -113,6 +113,17 @@ _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.
 _WRITES = frozenset({"POST", "PUT", "DELETE", "PATCH"})
 
 
+def _record_model(r: ChunkRecord) -> ChunkRecordModel:
+    """The record on the wire; one the service would refuse is refused here, as the SQL catalog does."""
+    try:
+        return ChunkRecordModel.of(r)
+    except ValidationError as exc:
+        fields = "; ".join(
+            f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors()
+        )
+        raise PublishError(f"invalid chunk record {r.prefix_hash.hex()}: {fields}") from exc
+
+
 def _ref_path(name: str) -> str:
     # Encode everything, dots included, so no ref name is ever read as a path segment like "..".
     return quote(name, safe="").replace(".", "%2E")
@@ -322,7 +333,7 @@ class RemoteCatalog:
         for ns, recs in by_ns.items():
             body = {
                 "fingerprints": {r.fingerprint.hex: dict(r.fingerprint.descriptor) for r in recs},
-                "records": [ChunkRecordModel.of(r).model_dump(mode="json") for r in recs],
+                "records": [_record_model(r).model_dump(mode="json") for r in recs],
                 "actor": actor,
             }
             resp = self._call("POST", ns, "chunks", body, default_error=PublishError)
@@ -335,9 +346,6 @@ class RemoteCatalog:
                 for c in out.conflicts
             ]
         return PublishResult(recorded, present, added, tuple(conflicts))
-
-    def record_chunk(self, record: ChunkRecord, *, actor: str | None = None) -> PublishResult:
-        return self.record_chunks([record], actor=actor)
 
     def known_blob_keys(
         self,

@@ -63,7 +63,7 @@ def _sql_url(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> str:
     return str(request.getfixturevalue("postgres_url"))
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=["sqlite", "postgresql", "remote-sqlite", "remote-postgresql"])
 def impl(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Impl]:
     kind = str(request.param)
     backend = kind.removeprefix("remote-")
@@ -323,6 +323,8 @@ def test_demand_is_summed_over_workers_and_namespaced(impl: Impl) -> None:
     assert cat.demand(NS, [h, recs[0].prefix_hash]) == {h: 3.5}
     cat.ensure_namespace(OTHER, CS)
     assert cat.demand(OTHER, [h]) == {}
+    cat.declare_demand("w1", OTHER, h, priority=100.0, ttl_s=600)  # another tenant, same hash
+    assert cat.demand(NS, [h]) == {h: 3.5}  # cannot renew or reweigh this namespace's demand
     with pytest.raises(NotFoundError):
         cat.declare_demand("w1", "nowhere", h)
 
