@@ -16,7 +16,7 @@ from pathlib import Path
 import blake3
 from typing_extensions import Buffer
 
-from chunkstore.base import BlobStat, ChunkStore, Receipt, validate_key
+from chunkstore.base import BlobStat, ChunkStore, Receipt, Tier, parse_tier, validate_key
 from chunkstore.errors import (
     BlobNotFoundError,
     ChunkIntegrityError,
@@ -80,7 +80,9 @@ class LocalStore(ChunkStore):
         *,
         refresh_after_s: float = DEFAULT_REFRESH_AFTER_S,
         temp_grace_s: float = DEFAULT_TEMP_GRACE_S,
+        tier: Tier = "local",
     ) -> None:
+        self._tier = parse_tier(tier)
         path = Path(root)
         if not path.is_absolute():
             raise StoreURLError(f"local store root must be an absolute path, got {str(root)!r}")
@@ -99,6 +101,10 @@ class LocalStore(ChunkStore):
     @property
     def name(self) -> str:
         return self._name
+
+    @property
+    def tier(self) -> Tier:
+        return self._tier
 
     @property
     def root(self) -> Path:

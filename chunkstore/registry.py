@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from chunkstore.base import ChunkStore
+from chunkstore.base import ChunkStore, parse_tier
 from chunkstore.errors import StoreURLError
 
 if TYPE_CHECKING:
@@ -92,10 +92,12 @@ _S3_OPTIONS: Mapping[str, _Option] = {
     "max_concurrency": _Option(_positive_int, int),
     "addressing_style": _Option(_choice("path", "virtual", "auto"), str),
     "refresh_after_s": _Option(_seconds, (int, float)),
+    "tier": _Option(parse_tier, str),
 }
 _FILE_OPTIONS: Mapping[str, _Option] = {
     "refresh_after_s": _Option(_seconds, (int, float)),
     "temp_grace_s": _Option(_seconds, (int, float)),
+    "tier": _Option(parse_tier, str),
 }
 
 
@@ -180,12 +182,16 @@ def _open_s3(
 def open_store(url: str, *, session: boto3.session.Session | None = None, **options: object) -> ChunkStore:
     """Open the chunk store that `url` names.
 
-    - `file:///abs/dir[?refresh_after_s=..&temp_grace_s=..]`: a `LocalStore`.
+    - `file:///abs/dir[?refresh_after_s=..&temp_grace_s=..&tier=..]`: a `LocalStore`.
     - `s3://bucket[/prefix]?endpoint_url=..&region=..&<tuning>`: an `S3Store`;
       tuning options are `retry_mode` (standard|adaptive), `max_attempts`,
       `connect_timeout`, `read_timeout`, `multipart_threshold`, `part_size`,
       `max_concurrency`, `addressing_style` (path|virtual|auto),
       `refresh_after_s`. Credentials come from the AWS chain or `session`.
+
+    Both take `tier` (resident|local|object): the tier the store's replicas
+    are catalogued in. A directory defaults to `local`, S3 to `object`; a
+    directory on a network mount or a MinIO next to the GPU can say otherwise.
 
     Keyword `options` (same names, typed values or strings) override the
     URL's. A URL with user-info (credentials), an unknown scheme or option,

@@ -32,7 +32,7 @@ from botocore.exceptions import (
 )
 from typing_extensions import Buffer
 
-from chunkstore.base import BlobStat, ChunkStore, Receipt, validate_key
+from chunkstore.base import BlobStat, ChunkStore, Receipt, Tier, parse_tier, utcnow, validate_key
 from chunkstore.errors import (
     BlobNotFoundError,
     ChunkIntegrityError,
@@ -137,8 +137,10 @@ class S3Store(ChunkStore):
         max_concurrency: int = 8,
         addressing_style: AddressingStyle | None = None,
         refresh_after_s: float = DEFAULT_REFRESH_AFTER_S,
+        tier: Tier = "object",
         session: boto3.session.Session | None = None,
     ) -> None:
+        self._tier = parse_tier(tier)
         if retry_mode not in ("standard", "adaptive"):
             raise StoreURLError(f"retry_mode must be 'standard' or 'adaptive', got {retry_mode!r}")
         if max_attempts < 1:
@@ -187,6 +189,10 @@ class S3Store(ChunkStore):
     @property
     def name(self) -> str:
         return self._name
+
+    @property
+    def tier(self) -> Tier:
+        return self._tier
 
     def __repr__(self) -> str:
         return f"S3Store({self._name!r})"
@@ -460,7 +466,7 @@ class S3Store(ChunkStore):
             lambda: self.client.copy_object(
                 Bucket=self.bucket, Key=obj, CopySource={"Bucket": self.bucket, "Key": obj},
                 MetadataDirective="REPLACE", ContentType=_CONTENT_TYPE,
-                Metadata={"kvc-touched": datetime.now(UTC).isoformat()},
+                Metadata={"kvc-touched": utcnow().isoformat()},
                 ChecksumAlgorithm="SHA256",
             ),
         )
@@ -479,7 +485,9 @@ class S3Store(ChunkStore):
         """
         obj = self.object_key(key)
         window = self.multipart_threshold
-        for attempt in range(1, self.max_attempts + 1):
+
+        def first_window() -> tuple[bytes | bytearray, int, str | None]:
+            """The blob (whole, or a buffer of its size with the first `got` bytes), `got`, ETag."""
             try:
                 first = self._call(
                     "get", key,
@@ -487,50 +495,70 @@ class S3Store(ChunkStore):
                     passthrough=frozenset({416}),
                 )
             except ClientError:  # 416: a range cannot start inside an empty object
-                return self._get_whole(key, obj)
+                whole = self._get_whole(key, obj)
+                return whole, len(whole), None
             total = _total_size(first)
-            etag = first.get("ETag")
+            got = int(first["ContentLength"])
             body = first["Body"]
-            try:
-                if total == int(first["ContentLength"]):
-                    return body.read()
+            with self._reading(key, body):
+                if total == got:
+                    data: bytes = body.read()
+                    return data, got, None
                 buf = bytearray(total)
-                _read_into(body, memoryview(buf)[: int(first["ContentLength"])])
-            except FlexibleChecksumError as exc:
-                body.close()
-                raise self._checksum_mismatch(key, exc) from exc
+                _read_into(body, memoryview(buf)[:got])
+            return buf, got, first.get("ETag")
+
+        buf, got, etag = self._retry_stream(key, first_window)
+        if got == len(buf):
+            return buf
+        assert isinstance(buf, bytearray)
+        jobs = [
+            functools.partial(self._fetch_range, key, obj, s, min(s + self.part_size, len(buf)), etag, buf)
+            for s in range(got, len(buf), self.part_size)
+        ]
+        _run_all(self._executor(), jobs)
+        return buf
+
+    def _retry_stream(self, key: str, read: Callable[[], _T]) -> _T:
+        """Run `read` (one GET and the reading of its body), again while the body breaks off
+        mid-stream (botocore retries a request, not the body streaming after it), up to
+        `max_attempts` in all."""
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                return read()
             except _STREAM_ERRORS as exc:
-                body.close()
                 if attempt == self.max_attempts:
                     raise self._map_error("get", key, exc, attempts=attempt) from exc
                 logger.debug("%s: get of blob %s broke off (%s); retrying", self._name, key, exc)
-                continue
-            start = int(first["ContentLength"])
-            jobs = [
-                functools.partial(self._fetch_range, key, obj, s, min(s + self.part_size, total), etag, buf)
-                for s in range(start, total, self.part_size)
-            ]
-            _run_all(self._executor(), jobs)
-            return buf
         raise AssertionError("unreachable")  # pragma: no cover
 
+    @contextlib.contextmanager
+    def _reading(self, key: str, body: Any) -> Iterator[None]:
+        """Close a response body that failed while being read; a checksum failure is the
+        store's integrity error, a broken stream is raised as it is (for `_retry_stream`)."""
+        try:
+            yield
+        except FlexibleChecksumError as exc:
+            body.close()
+            raise self._checksum_mismatch(key, exc) from exc
+        except _STREAM_ERRORS:
+            body.close()
+            raise
+
     def _get_whole(self, key: str, obj: str) -> bytes:
-        for attempt in range(1, self.max_attempts + 1):
+        def read() -> bytes:
             resp = self._call("get", key, lambda: self.client.get_object(Bucket=self.bucket, Key=obj))
-            try:
-                return resp["Body"].read()
-            except FlexibleChecksumError as exc:
-                resp["Body"].close()
-                raise self._checksum_mismatch(key, exc) from exc
-            except _STREAM_ERRORS as exc:
-                if attempt == self.max_attempts:
-                    raise self._map_error("get", key, exc, attempts=attempt) from exc
-        raise AssertionError("unreachable")  # pragma: no cover
+            with self._reading(key, resp["Body"]):
+                data: bytes = resp["Body"].read()
+            return data
+
+        return self._retry_stream(key, read)
 
     def _fetch_range(self, key: str, obj: str, start: int, end: int, etag: str | None, buf: bytearray) -> None:
         # If-Match pins every range to the object the first response came from.
         if_match = etag or "*"
-        for attempt in range(1, self.max_attempts + 1):
+
+        def read() -> None:
             try:
                 resp = self._call(
                     "get", key,
@@ -548,16 +576,10 @@ class S3Store(ChunkStore):
                     f"{self._name}: ranged get of blob {key} returned {resp['ContentLength']} bytes, "
                     f"expected {end - start}"
                 )
-            try:
+            with self._reading(key, resp["Body"]):
                 _read_into(resp["Body"], memoryview(buf)[start:end])
-                return
-            except FlexibleChecksumError as exc:
-                resp["Body"].close()
-                raise self._checksum_mismatch(key, exc) from exc
-            except _STREAM_ERRORS as exc:
-                resp["Body"].close()
-                if attempt == self.max_attempts:
-                    raise self._map_error("get", key, exc, attempts=attempt) from exc
+
+        self._retry_stream(key, read)
 
     def exists(self, key: str) -> bool:
         try:
@@ -608,7 +630,7 @@ def _server_time(resp: Mapping[str, Any]) -> datetime:
             return _utc(parsedate_to_datetime(date))
         except (TypeError, ValueError):
             pass
-    return datetime.now(UTC)
+    return utcnow()
 
 
 def _total_size(resp: Mapping[str, Any]) -> int:

@@ -581,6 +581,30 @@ def test_keyword_options_override_the_url(monkeypatch: pytest.MonkeyPatch) -> No
         open_store("s3://kvc-bucket/p", colour="blue")
 
 
+def test_a_store_declares_its_tier_with_a_per_kind_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    moto_env(monkeypatch)
+    with open_store(f"file://{tmp_path / 'a'}") as store:
+        assert store.tier == "local"
+    with open_store(f"file://{tmp_path / 'b'}?tier=object") as store:
+        assert store.tier == "object"
+        # The tier is configuration, not identity: replica rows name the same store.
+        assert store.name == f"file://{tmp_path / 'b'}"
+    with open_store("s3://kvc-bucket/p") as store:
+        assert store.tier == "object"
+    with open_store("s3://kvc-bucket/p?tier=local") as store:
+        assert store.tier == "local"
+    with open_store(f"file://{tmp_path / 'c'}", tier="resident") as store:
+        assert store.tier == "resident"
+
+
+@pytest.mark.parametrize("url", ["file:///tmp/kvc-x?tier=fast", "s3://kvc-bucket?tier=Object"])
+def test_a_bad_tier_is_a_store_url_error_naming_the_tiers(url: str) -> None:
+    with pytest.raises(StoreURLError, match=r"tier .*expected one of resident, local, object"):
+        open_store(url)
+
+
 SECRET = "wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY"
 
 
