@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from catalog import Fingerprint, chain_root, prefix_hashes
-from catalog.catalog import Catalog
+from catalog.base import CatalogAPI
 from catalog.errors import MissingParentError, NotFoundError, PurgeInProgressError
 from catalog.identity import token_array
 from catalog.models import ChunkRecord, ReplicaReceipt, Shard
@@ -92,7 +92,7 @@ class Checkpointer:
 
     def __init__(
         self,
-        catalog: Catalog,
+        catalog: CatalogAPI,
         store: ChunkStore,
         namespace: str = "default",
         chunk_size: int = 256,

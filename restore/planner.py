@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -55,6 +57,13 @@ class Planner:
         self.fork_overhead_s = fork_overhead_s
         self._alpha = smoothing
         self._lock = threading.Lock()
+
+    def use_measured(self, tier_bytes_per_s: Mapping[str, float]) -> None:
+        """Take rates measured elsewhere (`Restorer.tier_rates`) as they are, per tier."""
+        with self._lock:
+            self.tier_bytes_per_s.update(
+                {t: r for t, r in tier_bytes_per_s.items() if r > 0 and math.isfinite(r)}
+            )
 
     def observe_restore(self, tier: str, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0:

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 
 from catalog import AttentionLayout, Fingerprint, fingerprint_hex
-from catalog.catalog import Catalog
+from catalog.base import CatalogAPI
 from catalog.identity import token_array
-from catalog.models import ChunkMatch, Match, ReplicaInfo, Shard
+from catalog.models import TIERS, ChunkMatch, Match, ReplicaInfo, ReplicaState, Shard, Tier
 from chunkstore import ChunkStore
 from chunkstore.errors import ChunkIntegrityError, ChunkStoreError
 from chunkstore.record import DecodedChunk, decode_chunk
@@ -73,7 +73,7 @@ class Restorer:
 
     def __init__(
         self,
-        catalog: Catalog,
+        catalog: CatalogAPI,
         stores: Iterable[ChunkStore],
         namespace: str = "default",
         *,
@@ -117,11 +117,15 @@ class Restorer:
         *,
         max_tokens: int | None = None,
         cancel: threading.Event | None = None,
+        match: Match | None = None,
     ) -> RestoreResult:
-        """Restore the longest verified stored prefix of `tokens` into a new route of `pool`."""
+        """Restore the longest verified stored prefix of `tokens` into a new route of `pool`.
+
+        `match`: this lookup of `tokens` (a planner's), instead of looking them up again.
+        """
         dest = PoolDestination(pool)
         result = self.restore_into(
-            dest, tokens, fingerprint, shard, max_tokens=max_tokens, cancel=cancel
+            dest, tokens, fingerprint, shard, max_tokens=max_tokens, cancel=cancel, match=match
         )
         result.route = dest.route
         return result
@@ -135,18 +139,23 @@ class Restorer:
         *,
         max_tokens: int | None = None,
         cancel: threading.Event | None = None,
+        match: Match | None = None,
     ) -> RestoreResult:
         """Restore the longest verified stored prefix of `tokens` into any `Destination`.
 
         The destination is committed with the number of verified positions, or
-        aborted (on a miss, when nothing verified, or on any error).
+        aborted (on a miss, when nothing verified, or on any error). `match`:
+        as for `restore`.
         """
         t0 = time.perf_counter()
         tok = token_array(tokens)
         fp_hex = fingerprint_hex(fingerprint)
         shard = shard or self.shard
         report = RestoreReport()
-        match = self.catalog.lookup(self.namespace, fp_hex, tok, shard=shard, max_tokens=max_tokens)
+        if match is None:
+            match = self.catalog.lookup(
+                self.namespace, fp_hex, tok, shard=shard, max_tokens=max_tokens
+            )
         report.seconds["lookup"] = time.perf_counter() - t0
         if not match.hit:
             return RestoreResult(None, 0, 0, len(tok), match, report)
@@ -246,6 +255,23 @@ class Restorer:
                     f.result()
         pending.clear()
 
+    def readable_prefix(self, match: Match) -> tuple[int, int, Tier | None]:
+        """What a restore of `match` can fetch before verifying anything: `(tokens, stored
+        bytes, slowest tier)` of its leading chunks that have a replica in a store this
+        restorer reads (the tier of the replica it would try first), for a planner."""
+        tokens = nbytes = 0
+        slowest: Tier | None = None
+        for c in match.chunks:
+            order = self._replica_order(c)
+            if not order:
+                break
+            tier = order[0][0].tier
+            if slowest is None or TIERS.index(tier) > TIERS.index(slowest):
+                slowest = tier
+            tokens = c.token_start + c.tokens_used
+            nbytes += c.stored_bytes
+        return tokens, nbytes, slowest
+
     def _replica_order(self, c: ChunkMatch) -> list[tuple[ReplicaInfo, ChunkStore]]:
         return [(r, self.stores[r.location]) for r in c.replicas if r.location in self.stores]
 
@@ -293,7 +319,9 @@ class Restorer:
         self._check_header(decoded, c, tok, fp_hex, shard)
         return decoded
 
-    def _mark(self, c: ChunkMatch, replica: ReplicaInfo, state: str, why: str, report: RestoreReport) -> None:
+    def _mark(
+        self, c: ChunkMatch, replica: ReplicaInfo, state: ReplicaState, why: str, report: RestoreReport
+    ) -> None:
         report.failures.append(f"{c.blob_key[:16]} at {replica.location}: {state}: {why[:200]}")
         log.warning("replica %s of %s is %s: %s", replica.location, c.blob_key, state, why[:200])
         self.catalog.mark_replica(
