@@ -518,3 +518,113 @@ def test_cli_sets_the_interval_from_flag_environment_and_default(
     assert result.exit_code == 2
     result = runner.invoke(group, base, env={**env, "KVC_DAEMON_INVALIDATION_INTERVAL": "nan"})
     assert result.exit_code == 2 and "daemon_invalidation_interval" in result.output
+
+
+# -- the planner decides each restore ------------------------------------------------------
+
+
+def planned(cat: Catalog, store: ChunkStore, worker_id: str, rate: float) -> Worker:
+    d = Daemon(
+        cat,
+        [store],
+        worker_id=worker_id,
+        namespace="ns",
+        chunk_size=CHUNK,
+        engines=[MODEL],
+        invalidation_interval=0,
+        prefill_tokens_per_s=rate,
+    )
+    client = TestClient(create_daemon_app(d))
+    r = client.post("/v1/configure", json={"fingerprint": "reference", "num_pages": 64})
+    assert r.status_code == 200, r.text
+    return d, client
+
+
+def test_the_planner_leaves_a_prompt_to_recompute_when_prefill_is_faster(
+    worker: Start, cat: Catalog, store: ChunkStore
+) -> None:
+    _, client_a = configured(worker, "A")
+    prefill_and_checkpoint(client_a, PROMPT)
+    b, client_b = planned(cat, store, "B", rate=1e15)
+    try:
+        r = client_b.post("/v1/restore", json={"tokens": PROMPT})
+        assert r.status_code == 200, r.text
+        doc = r.json()
+        assert doc["decision"]["action"] == "recompute"
+        assert doc["decision"]["reason"].startswith("recompute:") and "beats restore" in doc["decision"]["reason"]
+        assert (doc["route"], doc["restored_tokens"], doc["recompute_from"]) == (None, 0, 0)
+        # Nothing was restored: no route, no page taken, no resident replica.
+        assert pool_of(b).routes() == [] and pool_of(b).free_pages == 64
+        assert cat.replicas_at("worker:B") == []
+        stats = client_b.get("/v1/stats").json()
+        assert (stats["restores"], stats["restored_bytes"], stats["planned_recomputes"]) == (0, 0, 1)
+    finally:
+        b.close()
+
+
+def test_the_planner_restores_when_prefill_is_slower(
+    worker: Start, cat: Catalog, store: ChunkStore
+) -> None:
+    _, client_a = configured(worker, "A")
+    prefill_and_checkpoint(client_a, PROMPT)
+    b, client_b = planned(cat, store, "B", rate=1e-3)
+    try:
+        doc = client_b.post("/v1/restore", json={"tokens": PROMPT}).json()
+        assert doc["decision"]["action"] == "restore"
+        assert doc["decision"]["reason"].startswith("restore:") and "from local" in doc["decision"]["reason"]
+        assert {o["action"] for o in doc["decision"]["options"]} == {"restore", "recompute"}
+        assert doc["restored_tokens"] == len(PROMPT) - 1 and doc["bytes"] > 0
+        assert pool_of(b).routes() == [doc["route"]]
+        assert client_b.get("/v1/stats").json()["restores"] == 1
+    finally:
+        b.close()
+
+
+def test_a_prefix_resident_in_the_pool_is_forked_not_fetched(worker: Start, cat: Catalog) -> None:
+    a, client = configured(worker, "A")
+    cp = prefill_and_checkpoint(client, PROMPT)
+    doc = client.post("/v1/restore", json={"tokens": [*PROMPT, 5]}).json()
+    assert doc["decision"]["action"] == "fork", doc["decision"]
+    assert (doc["restored_tokens"], doc["bytes"], doc["chunks"]) == (len(PROMPT), 0, 0)
+    pool = pool_of(a)
+    # The fork shares the checkpointed route's pages, bit for bit.
+    assert pool.page_table(doc["route"])[:2] == pool.page_table(cp["route"])[:2]
+    assert pool.read(doc["route"])[0].tobytes() == pool.read(cp["route"])[0].tobytes()
+    stats = client.get("/v1/stats").json()
+    assert (stats["planned_forks"], stats["restores"]) == (1, 0)
+    pool.check_invariants()
+
+
+# -- demand ----------------------------------------------------------------------------------
+
+
+def test_the_daemon_declares_demand_for_what_it_holds(worker: Start, cat: Catalog) -> None:
+    _, client_a = configured(worker, "A")
+    cp = prefill_and_checkpoint(client_a, PROMPT)
+    head = bytes.fromhex(cp["head"])
+    assert cat.demand("ns", [head]) == {head: 1.0}
+    _, client_b = configured(worker, "B")
+    assert client_b.post("/v1/restore", json={"tokens": PROMPT}).status_code == 200
+    # B restored the three whole chunks: it demands the third, A the tail after it.
+    third = cat.lookup("ns", MODEL.fingerprint, PROMPT).chunks[2].prefix_hash
+    assert cat.demand("ns", [head, third]) == {head: 1.0, third: 1.0}
+
+
+def test_a_demanded_route_outlives_an_undemanded_one_of_the_same_age(
+    worker: Start, cat: Catalog
+) -> None:
+    d, client = configured(worker, "A")
+    first = prefill_and_checkpoint(client, PROMPT[: 2 * CHUNK])
+    other = [(t + 1) % MODEL.vocab_size for t in PROMPT[: 2 * CHUNK]]
+    demanded = prefill_and_checkpoint(client, other)
+    pool = pool_of(d)
+    # Both are durable and equally demanded (by this worker): eviction is LRU, the older goes.
+    assert pool.evict(1) == [first["route"]]
+
+    undemanded = prefill_and_checkpoint(client, PROMPT[: 2 * CHUNK])
+    assert pool.routes() == [demanded["route"], undemanded["route"]]
+    # Another worker needs the now older prefix: the next sync reads its demand into the pool.
+    cat.declare_demand("B", "ns", bytes.fromhex(demanded["head"]), priority=3.0)
+    assert client.post("/v1/refresh").status_code == 200
+    assert pool.evict(1) == [undemanded["route"]]
+    assert pool.routes() == [demanded["route"]]
