@@ -21,6 +21,7 @@ from catalog.catalog import Catalog
 from chunkstore import ChunkStore, open_store
 from kvc.commands.daemon import register
 from kvc.daemon import Daemon, create_daemon_app
+from kvc.remote import RemoteCatalog
 from restore.engines.reference import ReferenceModel
 from restore.pool import PagePool
 
@@ -628,3 +629,88 @@ def test_a_demanded_route_outlives_an_undemanded_one_of_the_same_age(
     assert client.post("/v1/refresh").status_code == 200
     assert pool.evict(1) == [undemanded["route"]]
     assert pool.routes() == [demanded["route"]]
+
+
+# -- KVC_SERVICE_URL: the daemon on a `kvc serve` service instead of a database ---------------
+
+SERVICE_TOKEN = "daemon-service-token-5d1f"
+
+
+@pytest.fixture
+def service_url(cat: Catalog) -> Iterator[str]:
+    from kvc.service import create_app, hash_token
+    from tests.services import serve_in_thread
+
+    with serve_in_thread(create_app(cat, {"ns": hash_token(SERVICE_TOKEN)}, max_prompt_tokens=4096)) as url:
+        yield url
+
+
+def service_env(tmp_path: Path, url: str) -> dict[str, str]:
+    return {
+        "KVC_HOME": str(tmp_path / "home"),
+        "KVC_CONFIG": str(tmp_path / "absent.toml"),
+        "KVC_STORES": f"file://{tmp_path / 'blobs'}",
+        "KVC_NAMESPACE": "ns",
+        "KVC_SERVICE_URL": url,
+        "KVC_SERVICE_TOKEN": SERVICE_TOKEN,
+    }
+
+
+def test_cli_opens_the_service_named_by_kvc_service_url_instead_of_a_database(
+    tmp_path: Path, service_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvc.daemon
+
+    seen: list[Any] = []
+
+    class Recorder:
+        def __init__(self, catalog: Any, stores: Any, **kwargs: Any) -> None:
+            # A real round trip: the service answers for the namespace the token opens.
+            seen.append((catalog, catalog.namespace_chunk_size("ns"), kwargs["namespace"]))
+            raise ValueError("recorded")
+
+    monkeypatch.setattr(kvc.daemon, "Daemon", Recorder)
+    group = click.Group("kvc")
+    register(group)
+    env = service_env(tmp_path, service_url)
+    result = CliRunner().invoke(group, ["daemon", "--worker-id", "svc", "--json"], env=env)
+    assert result.exit_code == 2 and "recorded" in result.output
+    [(catalog, _, namespace)] = seen
+    assert isinstance(catalog, RemoteCatalog) and catalog.base_url == service_url
+    assert namespace == "ns"
+    assert not (tmp_path / "home" / "catalog.db").exists()  # no database was opened
+
+    del env["KVC_SERVICE_TOKEN"]
+    result = CliRunner().invoke(group, ["daemon", "--worker-id", "svc"], env=env)
+    assert result.exit_code == 2 and "KVC_SERVICE_TOKEN" in result.output
+
+
+@pytest.mark.skipif(
+    not all(
+        hasattr(RemoteCatalog, m)
+        for m in ("events", "replicas_at", "remove_replicas", "declare_demand", "demand")
+    ),
+    reason="RemoteCatalog does not implement the daemon's catalog calls (CatalogAPI) yet",
+)
+def test_a_daemon_on_the_service_checkpoints_and_restores(
+    tmp_path: Path, service_url: str, cat: Catalog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[Any] = []
+
+    def serve(app: Any, **kwargs: Any) -> None:
+        client = TestClient(app)
+        r = client.post("/v1/configure", json={"fingerprint": "reference", "num_pages": 64})
+        assert r.status_code == 200, r.text
+        cp = prefill_and_checkpoint(client, PROMPT)
+        seen.append((cp, client.post("/v1/restore", json={"tokens": PROMPT}).json()))
+
+    monkeypatch.setattr(uvicorn, "run", serve)
+    group = click.Group("kvc")
+    register(group)
+    env = {**service_env(tmp_path, service_url), "KVC_CHUNK_SIZE": str(CHUNK)}
+    result = CliRunner().invoke(group, ["daemon", "--worker-id", "svc", "--json"], env=env)
+    assert result.exit_code == 0, result.output
+    [(cp, restored)] = seen
+    assert cp["new_chunks"] == 4 and restored["decision"]["action"] == "fork"
+    # The service's database holds what the daemon published.
+    assert len(cat.lookup("ns", MODEL.fingerprint, PROMPT).chunks) == 4
