@@ -12,6 +12,7 @@ import blake3
 import numpy as np
 
 from catalog import Catalog
+from catalog.base import CatalogAPI
 from chunkstore import ChunkStore
 from restore.checkpoint import Checkpointer, write_behind_store
 from restore.engines.reference import ReferenceModel
@@ -84,7 +85,7 @@ class _ReferenceEngine:
 
     def __init__(
         self,
-        catalog: Catalog,
+        catalog: CatalogAPI,
         stores: list[ChunkStore],
         namespace: str,
         chunk_size: int,
@@ -166,7 +167,7 @@ class _HFEngine:
     A run that restored nothing must equal the straight run."""
 
     def __init__(
-        self, model: Any, catalog: Catalog, stores: list[ChunkStore], namespace: str, chunk_size: int
+        self, model: Any, catalog: CatalogAPI, stores: list[ChunkStore], namespace: str, chunk_size: int
     ) -> None:
         from restore.engines import hf
 

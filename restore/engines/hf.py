@@ -38,7 +38,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from catalog import AttentionLayout, Fingerprint
-from catalog.catalog import Catalog
+from catalog.base import CatalogAPI
 from catalog.identity import DType, canonical_json, token_array
 from catalog.models import Shard
 from chunkstore import ChunkStore
@@ -435,7 +435,7 @@ class HFAdapter:
     def __init__(
         self,
         model: PreTrainedModel,
-        catalog: Catalog,
+        catalog: CatalogAPI,
         stores: Sequence[ChunkStore],
         namespace: str = "default",
         chunk_size: int = 256,
