@@ -95,7 +95,9 @@ class LocalStore(ChunkStore):
         except FileExistsError:
             raise StoreURLError(f"{self._name}: the store root is not a directory") from None
         except OSError as exc:
-            raise StoreUnavailableError(f"{self._name}: cannot create the store root: {exc.strerror}") from exc
+            raise StoreUnavailableError(
+                f"{self._name}: cannot create the store root: {exc.strerror}"
+            ) from exc
         self.sweep_temp(temp_grace_s)
 
     @property
@@ -148,7 +150,10 @@ class LocalStore(ChunkStore):
                 # the wrong ones repairs the store rather than hiding anything.
                 logger.warning(
                     "%s: blob %s has %d bytes on disk, expected %d; rewriting it",
-                    self._name, key, st.st_size, view.nbytes,
+                    self._name,
+                    key,
+                    st.st_size,
+                    view.nbytes,
                 )
         created = self._make_shard_dirs(key)
         tmp = final.parent / f"{TEMP_PREFIX}{key}-{uuid.uuid4().hex}"

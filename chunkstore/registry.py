@@ -15,8 +15,19 @@ if TYPE_CHECKING:
     import boto3
 
 _SIZE_RE = re.compile(r"(\d+)\s*(|b|k|kb|kib|m|mb|mib|g|gb|gib)", re.IGNORECASE)
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024**2, "mb": 1024**2,
-               "mib": 1024**2, "g": 1024**3, "gb": 1024**3, "gib": 1024**3}
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kb": 1024,
+    "kib": 1024,
+    "m": 1024**2,
+    "mb": 1024**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gb": 1024**3,
+    "gib": 1024**3,
+}
 _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.\-_]{1,62}")
 _REGION_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 
@@ -69,7 +80,9 @@ def _endpoint_url(value: str) -> str:
         raise ValueError("expected http(s)://host[:port]")
     if parts.query or parts.fragment:
         raise ValueError("expected no query or fragment")
-    return urllib.parse.urlunsplit((parts.scheme, parts.netloc.lower(), parts.path.rstrip("/"), "", ""))
+    return urllib.parse.urlunsplit(
+        (parts.scheme, parts.netloc.lower(), parts.path.rstrip("/"), "", "")
+    )
 
 
 @dataclass(frozen=True)
@@ -139,7 +152,9 @@ def _options(
         elif isinstance(value, option.kind) and not isinstance(value, bool):
             options[name] = value
         else:
-            raise StoreURLError(f"option {name!r} must be a {option.kind}, got {type(value).__name__}")
+            raise StoreURLError(
+                f"option {name!r} must be a {option.kind}, got {type(value).__name__}"
+            )
     return options
 
 
@@ -179,7 +194,9 @@ def _open_s3(
     return S3Store(bucket, prefix, session=session, **options)  # type: ignore[arg-type]
 
 
-def open_store(url: str, *, session: boto3.session.Session | None = None, **options: object) -> ChunkStore:
+def open_store(
+    url: str, *, session: boto3.session.Session | None = None, **options: object
+) -> ChunkStore:
     """Open the chunk store that `url` names.
 
     - `file:///abs/dir[?refresh_after_s=..&temp_grace_s=..&tier=..]`: a `LocalStore`.

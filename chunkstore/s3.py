@@ -216,7 +216,12 @@ class S3Store(ChunkStore):
             return self._pool
 
     def _call(
-        self, op: str, key: str | None, fn: Callable[[], _T], *, passthrough: frozenset[int] = frozenset()
+        self,
+        op: str,
+        key: str | None,
+        fn: Callable[[], _T],
+        *,
+        passthrough: frozenset[int] = frozenset(),
     ) -> _T:
         """Run one client call, mapping its failure to a domain error.
 
@@ -271,7 +276,8 @@ class S3Store(ChunkStore):
     def _head(self, key: str) -> Mapping[str, Any]:
         obj = self.object_key(key)
         return self._call(
-            "head", key,
+            "head",
+            key,
             lambda: self.client.head_object(Bucket=self.bucket, Key=obj, ChecksumMode="ENABLED"),
         )
 
@@ -297,13 +303,22 @@ class S3Store(ChunkStore):
     def _put_single(self, key: str, view: memoryview) -> Receipt | None:
         obj = self.object_key(key)
         sha_b64, _ = _sha256_b64(view)
-        body = view.obj if isinstance(view.obj, bytes) and len(view.obj) == view.nbytes else view.tobytes()
+        body = (
+            view.obj
+            if isinstance(view.obj, bytes) and len(view.obj) == view.nbytes
+            else view.tobytes()
+        )
         try:
             resp = self._call(
-                "put", key,
+                "put",
+                key,
                 lambda: self.client.put_object(
-                    Bucket=self.bucket, Key=obj, Body=body, IfNoneMatch="*",
-                    ChecksumSHA256=sha_b64, ContentType=_CONTENT_TYPE,
+                    Bucket=self.bucket,
+                    Key=obj,
+                    Body=body,
+                    IfNoneMatch="*",
+                    ChecksumSHA256=sha_b64,
+                    ContentType=_CONTENT_TYPE,
                 ),
                 passthrough=frozenset({412}),
             )
@@ -328,9 +343,13 @@ class S3Store(ChunkStore):
         obj = self.object_key(key)
         size = view.nbytes
         part_size = max(self.part_size, math.ceil(size / MAX_PARTS))
-        ranges = [(i + 1, off, min(off + part_size, size)) for i, off in enumerate(range(0, size, part_size))]
+        ranges = [
+            (i + 1, off, min(off + part_size, size))
+            for i, off in enumerate(range(0, size, part_size))
+        ]
         created = self._call(
-            "multipart put", key,
+            "multipart put",
+            key,
             lambda: self.client.create_multipart_upload(
                 Bucket=self.bucket, Key=obj, ChecksumAlgorithm="SHA256", ContentType=_CONTENT_TYPE
             ),
@@ -341,35 +360,49 @@ class S3Store(ChunkStore):
             piece = view[start:end]
             sha_b64, digest = _sha256_b64(piece)
             resp = self._call(
-                f"upload of part {part} in multipart put", key,
+                f"upload of part {part} in multipart put",
+                key,
                 lambda: self.client.upload_part(
-                    Bucket=self.bucket, Key=obj, UploadId=upload_id, PartNumber=part,
-                    Body=piece.tobytes(), ChecksumSHA256=sha_b64,
+                    Bucket=self.bucket,
+                    Key=obj,
+                    UploadId=upload_id,
+                    PartNumber=part,
+                    Body=piece.tobytes(),
+                    ChecksumSHA256=sha_b64,
                 ),
             )
             return part, str(resp["ETag"]), digest
 
         try:
-            parts = _run_all(self._executor(), [functools.partial(upload, p, s, e) for p, s, e in ranges])
+            parts = _run_all(
+                self._executor(), [functools.partial(upload, p, s, e) for p, s, e in ranges]
+            )
         except ChunkStoreError as exc:
             self._abort(key, obj, upload_id)
             # Until CompleteMultipartUpload nothing is visible under the key.
-            raise StoreWriteError(f"{self._name}: multipart put of blob {key} did not land: {exc}") from exc
+            raise StoreWriteError(
+                f"{self._name}: multipart put of blob {key} did not land: {exc}"
+            ) from exc
         except BaseException:
             self._abort(key, obj, upload_id)
             raise
         parts.sort()
         digests = b"".join(d for _, _, d in parts)
-        composite = base64.b64encode(hashlib.sha256(digests).digest()).decode("ascii") + f"-{len(parts)}"
+        composite = (
+            base64.b64encode(hashlib.sha256(digests).digest()).decode("ascii") + f"-{len(parts)}"
+        )
         listing: list[CompletedPartTypeDef] = [
             {"PartNumber": n, "ETag": etag, "ChecksumSHA256": base64.b64encode(d).decode("ascii")}
             for n, etag, d in parts
         ]
         try:
             resp = self._call(
-                "multipart put", key,
+                "multipart put",
+                key,
                 lambda: self.client.complete_multipart_upload(
-                    Bucket=self.bucket, Key=obj, UploadId=upload_id,
+                    Bucket=self.bucket,
+                    Key=obj,
+                    UploadId=upload_id,
                     MultipartUpload={"Parts": listing},
                     IfNoneMatch="*",
                 ),
@@ -402,16 +435,23 @@ class S3Store(ChunkStore):
     def _abort(self, key: str, obj: str, upload_id: str) -> None:
         try:
             self._call(
-                "abort of multipart put", key,
-                lambda: self.client.abort_multipart_upload(Bucket=self.bucket, Key=obj, UploadId=upload_id),
+                "abort of multipart put",
+                key,
+                lambda: self.client.abort_multipart_upload(
+                    Bucket=self.bucket, Key=obj, UploadId=upload_id
+                ),
                 passthrough=frozenset({404}),
             )
         except (ChunkStoreError, ClientError) as exc:
             # The parts cost storage until a bucket lifecycle rule
             # (AbortIncompleteMultipartUpload) reaps them; they are never visible.
-            logger.warning("%s: could not abort multipart upload of blob %s: %s", self._name, key, exc)
+            logger.warning(
+                "%s: could not abort multipart upload of blob %s: %s", self._name, key, exc
+            )
 
-    def _existing(self, key: str, size: int, sha_b64: str | None, *, refresh: bool = True) -> Receipt | None:
+    def _existing(
+        self, key: str, size: int, sha_b64: str | None, *, refresh: bool = True
+    ) -> Receipt | None:
         """The receipt of an object already stored under `key`, after checking it is ours.
 
         Returns None when the object vanished meanwhile (the put should be retried).
@@ -429,7 +469,14 @@ class S3Store(ChunkStore):
         etag = _etag(head.get("ETag"))
         remote_sha = head.get("ChecksumSHA256")
         # A single-part object's checksum is of its whole content and can be compared.
-        if sha_b64 and remote_sha and etag and "-" not in etag and "-" not in remote_sha and remote_sha != sha_b64:
+        if (
+            sha_b64
+            and remote_sha
+            and etag
+            and "-" not in etag
+            and "-" not in remote_sha
+            and remote_sha != sha_b64
+        ):
             raise ChunkIntegrityError(
                 f"{self._name}: object for blob {key} has SHA-256 {remote_sha}, expected {sha_b64}: "
                 "a wrong object sits under a content address"
@@ -462,10 +509,14 @@ class S3Store(ChunkStore):
         """
         obj = self.object_key(key)
         self._call(
-            "touch", key,
+            "touch",
+            key,
             lambda: self.client.copy_object(
-                Bucket=self.bucket, Key=obj, CopySource={"Bucket": self.bucket, "Key": obj},
-                MetadataDirective="REPLACE", ContentType=_CONTENT_TYPE,
+                Bucket=self.bucket,
+                Key=obj,
+                CopySource={"Bucket": self.bucket, "Key": obj},
+                MetadataDirective="REPLACE",
+                ContentType=_CONTENT_TYPE,
                 Metadata={"kvc-touched": utcnow().isoformat()},
                 ChecksumAlgorithm="SHA256",
             ),
@@ -474,7 +525,9 @@ class S3Store(ChunkStore):
     def delete(self, key: str) -> None:
         obj = self.object_key(key)
         with contextlib.suppress(BlobNotFoundError):  # S3 itself says 204 for an absent key
-            self._call("delete", key, lambda: self.client.delete_object(Bucket=self.bucket, Key=obj))
+            self._call(
+                "delete", key, lambda: self.client.delete_object(Bucket=self.bucket, Key=obj)
+            )
 
     # -- reads ------------------------------------------------------------
 
@@ -490,8 +543,11 @@ class S3Store(ChunkStore):
             """The blob (whole, or a buffer of its size with the first `got` bytes), `got`, ETag."""
             try:
                 first = self._call(
-                    "get", key,
-                    lambda: self.client.get_object(Bucket=self.bucket, Key=obj, Range=f"bytes=0-{window - 1}"),
+                    "get",
+                    key,
+                    lambda: self.client.get_object(
+                        Bucket=self.bucket, Key=obj, Range=f"bytes=0-{window - 1}"
+                    ),
                     passthrough=frozenset({416}),
                 )
             except ClientError:  # 416: a range cannot start inside an empty object
@@ -513,7 +569,9 @@ class S3Store(ChunkStore):
             return buf
         assert isinstance(buf, bytearray)
         jobs = [
-            functools.partial(self._fetch_range, key, obj, s, min(s + self.part_size, len(buf)), etag, buf)
+            functools.partial(
+                self._fetch_range, key, obj, s, min(s + self.part_size, len(buf)), etag, buf
+            )
             for s in range(got, len(buf), self.part_size)
         ]
         _run_all(self._executor(), jobs)
@@ -547,23 +605,31 @@ class S3Store(ChunkStore):
 
     def _get_whole(self, key: str, obj: str) -> bytes:
         def read() -> bytes:
-            resp = self._call("get", key, lambda: self.client.get_object(Bucket=self.bucket, Key=obj))
+            resp = self._call(
+                "get", key, lambda: self.client.get_object(Bucket=self.bucket, Key=obj)
+            )
             with self._reading(key, resp["Body"]):
                 data: bytes = resp["Body"].read()
             return data
 
         return self._retry_stream(key, read)
 
-    def _fetch_range(self, key: str, obj: str, start: int, end: int, etag: str | None, buf: bytearray) -> None:
+    def _fetch_range(
+        self, key: str, obj: str, start: int, end: int, etag: str | None, buf: bytearray
+    ) -> None:
         # If-Match pins every range to the object the first response came from.
         if_match = etag or "*"
 
         def read() -> None:
             try:
                 resp = self._call(
-                    "get", key,
+                    "get",
+                    key,
                     lambda: self.client.get_object(
-                        Bucket=self.bucket, Key=obj, Range=f"bytes={start}-{end - 1}", IfMatch=if_match
+                        Bucket=self.bucket,
+                        Key=obj,
+                        Range=f"bytes={start}-{end - 1}",
+                        IfMatch=if_match,
                     ),
                     passthrough=frozenset({412}),
                 )
@@ -594,14 +660,16 @@ class S3Store(ChunkStore):
 
     def keys(self) -> Iterator[str]:
         list_prefix = f"{self.prefix}/" if self.prefix else ""
-        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=list_prefix)
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=list_prefix
+        )
         it = iter(pages)
         while True:
             page = self._call("list", None, lambda: next(it, None))
             if page is None:
                 return
             for item in page.get("Contents", []):
-                name = item["Key"][len(list_prefix):]
+                name = item["Key"][len(list_prefix) :]
                 try:
                     yield validate_key(name)
                 except ValueError:

@@ -70,13 +70,17 @@ class Planner:
             with self._lock:
                 old = self.tier_bytes_per_s.get(tier)
                 rate = nbytes / seconds
-                self.tier_bytes_per_s[tier] = rate if old is None else (1 - self._alpha) * old + self._alpha * rate
+                self.tier_bytes_per_s[tier] = (
+                    rate if old is None else (1 - self._alpha) * old + self._alpha * rate
+                )
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
             with self._lock:
                 rate = tokens / seconds
-                self.prefill_tokens_per_s = (1 - self._alpha) * self.prefill_tokens_per_s + self._alpha * rate
+                self.prefill_tokens_per_s = (
+                    1 - self._alpha
+                ) * self.prefill_tokens_per_s + self._alpha * rate
 
     def plan(
         self,
@@ -96,7 +100,12 @@ class Planner:
         if rate is None:
             raise ValueError(f"no rate known for tier {tier!r}")
         options = [
-            Option("recompute", 0, prompt_tokens / tps, f"prefill {prompt_tokens} tokens at {tps:,.0f} tok/s"),
+            Option(
+                "recompute",
+                0,
+                prompt_tokens / tps,
+                f"prefill {prompt_tokens} tokens at {tps:,.0f} tok/s",
+            ),
         ]
         if resident_tokens > 0:
             rest = prompt_tokens - resident_tokens
@@ -122,7 +131,9 @@ class Planner:
             )
         best = min(options, key=lambda o: (o.est_seconds, o.action != "fork"))
         others = "; ".join(
-            f"{o.action} {o.est_seconds * 1e3:.1f} ms ({o.detail})" for o in options if o is not best
+            f"{o.action} {o.est_seconds * 1e3:.1f} ms ({o.detail})"
+            for o in options
+            if o is not best
         )
         reason = f"{best.action}: est. {best.est_seconds * 1e3:.1f} ms ({best.detail})" + (
             f"; beats {others}" if others else ""

@@ -89,7 +89,9 @@ class Restorer:
         self.max_parallel = max_parallel
         self.byte_budget = byte_budget
         self.actor = actor
-        self._executor = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="kvc-restore")
+        self._executor = ThreadPoolExecutor(
+            max_workers=max_parallel, thread_name_prefix="kvc-restore"
+        )
         self._tier_rates: dict[str, float] = {}
         self._rate_lock = threading.Lock()
 
@@ -276,7 +278,12 @@ class Restorer:
         return [(r, self.stores[r.location]) for r in c.replicas if r.location in self.stores]
 
     def _fetch_verified(
-        self, c: ChunkMatch, tok: np.ndarray[Any, Any], fp_hex: str, shard: Shard, report: RestoreReport
+        self,
+        c: ChunkMatch,
+        tok: np.ndarray[Any, Any],
+        fp_hex: str,
+        shard: Shard,
+        report: RestoreReport,
     ) -> tuple[DecodedChunk, str, float]:
         candidates = self._replica_order(c)
         if not candidates:
@@ -314,18 +321,30 @@ class Restorer:
         try:
             decoded = decode_chunk(store.get(c.blob_key), expected_key=c.blob_key)
         except ChunkIntegrityError:
-            log.warning("blob %s from %s failed verification; reading it again", c.blob_key, store.name)
+            log.warning(
+                "blob %s from %s failed verification; reading it again", c.blob_key, store.name
+            )
             decoded = decode_chunk(store.get(c.blob_key), expected_key=c.blob_key)
         self._check_header(decoded, c, tok, fp_hex, shard)
         return decoded
 
     def _mark(
-        self, c: ChunkMatch, replica: ReplicaInfo, state: ReplicaState, why: str, report: RestoreReport
+        self,
+        c: ChunkMatch,
+        replica: ReplicaInfo,
+        state: ReplicaState,
+        why: str,
+        report: RestoreReport,
     ) -> None:
         report.failures.append(f"{c.blob_key[:16]} at {replica.location}: {state}: {why[:200]}")
         log.warning("replica %s of %s is %s: %s", replica.location, c.blob_key, state, why[:200])
         self.catalog.mark_replica(
-            c.blob_key, replica.location, state, reason=why[:500], namespace=self.namespace, actor=self.actor
+            c.blob_key,
+            replica.location,
+            state,
+            reason=why[:500],
+            namespace=self.namespace,
+            actor=self.actor,
         )
 
     @staticmethod
@@ -341,10 +360,14 @@ class Restorer:
         if h.token_start != c.token_start or len(h.tokens) != c.token_count:
             problems.append("token range")
         elif not np.array_equal(
-            np.asarray(h.tokens[: c.tokens_used], dtype=np.uint32), tok[c.token_start : c.token_start + c.tokens_used]
+            np.asarray(h.tokens[: c.tokens_used], dtype=np.uint32),
+            tok[c.token_start : c.token_start + c.tokens_used],
         ):
             problems.append("token ids")
-        if tuple(h.layers) != (shard.layer_lo, shard.layer_hi) or tuple(h.kv_heads) != (shard.head_lo, shard.head_hi):
+        if tuple(h.layers) != (shard.layer_lo, shard.layer_hi) or tuple(h.kv_heads) != (
+            shard.head_lo,
+            shard.head_hi,
+        ):
             problems.append("shard")
         if decoded.kv.shape[2] != c.token_count:
             problems.append("shape")

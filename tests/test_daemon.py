@@ -469,8 +469,10 @@ def test_a_failing_catalog_call_does_not_stop_the_timer(
     a, client = configured(worker, "A", invalidation_interval=0.02, catalog=cast(Catalog, flaky))
     # The counter moves before the tick logs its warning: wait for both.
     wait_for(
-        lambda: client.get("/v1/stats").json()["invalidation_failures"] == 3
-        and len([r for r in caplog.records if "invalidation check" in r.getMessage()]) == 3,
+        lambda: (
+            client.get("/v1/stats").json()["invalidation_failures"] == 3
+            and len([r for r in caplog.records if "invalidation check" in r.getMessage()]) == 3
+        ),
         "three failed ticks",
     )
     cp = prefill_and_checkpoint(client, PROMPT)
@@ -552,13 +554,20 @@ def test_the_planner_leaves_a_prompt_to_recompute_when_prefill_is_faster(
         assert r.status_code == 200, r.text
         doc = r.json()
         assert doc["decision"]["action"] == "recompute"
-        assert doc["decision"]["reason"].startswith("recompute:") and "beats restore" in doc["decision"]["reason"]
+        assert (
+            doc["decision"]["reason"].startswith("recompute:")
+            and "beats restore" in doc["decision"]["reason"]
+        )
         assert (doc["route"], doc["restored_tokens"], doc["recompute_from"]) == (None, 0, 0)
         # Nothing was restored: no route, no page taken, no resident replica.
         assert pool_of(b).routes() == [] and pool_of(b).free_pages == 64
         assert cat.replicas_at("worker:B") == []
         stats = client_b.get("/v1/stats").json()
-        assert (stats["restores"], stats["restored_bytes"], stats["planned_recomputes"]) == (0, 0, 1)
+        assert (stats["restores"], stats["restored_bytes"], stats["planned_recomputes"]) == (
+            0,
+            0,
+            1,
+        )
     finally:
         b.close()
 
@@ -572,7 +581,10 @@ def test_the_planner_restores_when_prefill_is_slower(
     try:
         doc = client_b.post("/v1/restore", json={"tokens": PROMPT}).json()
         assert doc["decision"]["action"] == "restore"
-        assert doc["decision"]["reason"].startswith("restore:") and "from local" in doc["decision"]["reason"]
+        assert (
+            doc["decision"]["reason"].startswith("restore:")
+            and "from local" in doc["decision"]["reason"]
+        )
         assert {o["action"] for o in doc["decision"]["options"]} == {"restore", "recompute"}
         assert doc["restored_tokens"] == len(PROMPT) - 1 and doc["bytes"] > 0
         assert pool_of(b).routes() == [doc["route"]]
@@ -641,7 +653,9 @@ def service_url(cat: Catalog) -> Iterator[str]:
     from kvc.service import create_app, hash_token
     from tests.services import serve_in_thread
 
-    with serve_in_thread(create_app(cat, {"ns": hash_token(SERVICE_TOKEN)}, max_prompt_tokens=4096)) as url:
+    with serve_in_thread(
+        create_app(cat, {"ns": hash_token(SERVICE_TOKEN)}, max_prompt_tokens=4096)
+    ) as url:
         yield url
 
 
