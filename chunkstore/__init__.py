@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from chunkstore.base import BlobStat, ChunkStore, Receipt, validate_key
+from chunkstore.base import TIERS, BlobStat, ChunkStore, Receipt, Tier, parse_tier, validate_key
 from chunkstore.errors import (
     BlobNotFoundError,
     ChunkFormatError,
@@ -16,6 +16,7 @@ from chunkstore.errors import (
 from chunkstore.registry import open_store
 
 __all__ = [
+    "TIERS",
     "BlobNotFoundError",
     "BlobStat",
     "ChunkFormatError",
@@ -27,6 +28,8 @@ __all__ = [
     "StoreURLError",
     "StoreUnavailableError",
     "StoreWriteError",
+    "Tier",
     "open_store",
+    "parse_tier",
     "validate_key",
 ]

@@ -6,14 +6,32 @@ import abc
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime
-from typing import TypeGuard
+from datetime import UTC, datetime
+from typing import Literal, TypeGuard
 
 from typing_extensions import Buffer
 
-from chunkstore.errors import InvalidKeyError
+from chunkstore.errors import InvalidKeyError, StoreURLError
 
 _KEY_RE = re.compile(r"[0-9a-f]{64}")
+
+# The catalog's tiers (`catalog.models.Tier`, which this package cannot import), best first.
+Tier = Literal["resident", "local", "object"]
+TIERS: tuple[Tier, ...] = ("resident", "local", "object")
+
+
+def parse_tier(value: object) -> Tier:
+    """Return `value` if it names a tier, else raise `StoreURLError` listing the tiers."""
+    for tier in TIERS:
+        if value == tier:
+            return tier
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    raise StoreURLError(f"invalid store tier {shown}: expected one of {', '.join(TIERS)}")
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware in UTC (the only clock the stores' receipts use)."""
+    return datetime.now(UTC)
 
 
 def is_hex_digest(value: object) -> TypeGuard[str]:
@@ -72,6 +90,12 @@ class ChunkStore(abc.ABC):
     @abc.abstractmethod
     def name(self) -> str:
         """The store's URL without credentials; replica rows refer to stores by it."""
+
+    @property
+    @abc.abstractmethod
+    def tier(self) -> Tier:
+        """The tier its replicas are catalogued in, as its configuration declares it
+        (the `tier` URL option; per-kind defaults in docs/stores.md), never guessed."""
 
     @abc.abstractmethod
     def put(self, key: str, data: Buffer) -> Receipt:

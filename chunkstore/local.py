@@ -15,7 +15,7 @@ from pathlib import Path
 
 from typing_extensions import Buffer
 
-from chunkstore.base import BlobStat, ChunkStore, Receipt, validate_key
+from chunkstore.base import BlobStat, ChunkStore, Receipt, Tier, parse_tier, validate_key
 from chunkstore.errors import (
     BlobNotFoundError,
     ChunkIntegrityError,
@@ -75,7 +75,9 @@ class LocalStore(ChunkStore):
         *,
         refresh_after_s: float = DEFAULT_REFRESH_AFTER_S,
         temp_grace_s: float = DEFAULT_TEMP_GRACE_S,
+        tier: Tier = "local",
     ) -> None:
+        self._tier = parse_tier(tier)
         path = Path(root)
         if not path.is_absolute():
             raise StoreURLError(f"local store root must be an absolute path, got {str(root)!r}")
@@ -88,12 +90,18 @@ class LocalStore(ChunkStore):
         except FileExistsError:
             raise StoreURLError(f"{self._name}: the store root is not a directory") from None
         except OSError as exc:
-            raise StoreUnavailableError(f"{self._name}: cannot create the store root: {exc.strerror}") from exc
+            raise StoreUnavailableError(
+                f"{self._name}: cannot create the store root: {exc.strerror}"
+            ) from exc
         self.sweep_temp(temp_grace_s)
 
     @property
     def name(self) -> str:
         return self._name
+
+    @property
+    def tier(self) -> Tier:
+        return self._tier
 
     @property
     def root(self) -> Path:
@@ -137,7 +145,10 @@ class LocalStore(ChunkStore):
                 # the wrong ones repairs the store rather than hiding anything.
                 logger.warning(
                     "%s: blob %s has %d bytes on disk, expected %d; rewriting it",
-                    self._name, key, st.st_size, view.nbytes,
+                    self._name,
+                    key,
+                    st.st_size,
+                    view.nbytes,
                 )
         created = self._make_shard_dirs(key)
         tmp = final.parent / f"{TEMP_PREFIX}{key}-{uuid.uuid4().hex}"

@@ -8,15 +8,26 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from chunkstore.base import ChunkStore
+from chunkstore.base import ChunkStore, parse_tier
 from chunkstore.errors import StoreURLError
 
 if TYPE_CHECKING:
     import boto3
 
 _SIZE_RE = re.compile(r"(\d+)\s*(|b|k|kb|kib|m|mb|mib|g|gb|gib)", re.IGNORECASE)
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024**2, "mb": 1024**2,
-               "mib": 1024**2, "g": 1024**3, "gb": 1024**3, "gib": 1024**3}
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kb": 1024,
+    "kib": 1024,
+    "m": 1024**2,
+    "mb": 1024**2,
+    "mib": 1024**2,
+    "g": 1024**3,
+    "gb": 1024**3,
+    "gib": 1024**3,
+}
 _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9.\-_]{1,62}")
 _REGION_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,63}")
 
@@ -69,7 +80,9 @@ def _endpoint_url(value: str) -> str:
         raise ValueError("expected http(s)://host[:port]")
     if parts.query or parts.fragment:
         raise ValueError("expected no query or fragment")
-    return urllib.parse.urlunsplit((parts.scheme, parts.netloc.lower(), parts.path.rstrip("/"), "", ""))
+    return urllib.parse.urlunsplit(
+        (parts.scheme, parts.netloc.lower(), parts.path.rstrip("/"), "", "")
+    )
 
 
 @dataclass(frozen=True)
@@ -92,10 +105,12 @@ _S3_OPTIONS: Mapping[str, _Option] = {
     "max_concurrency": _Option(_positive_int, int),
     "addressing_style": _Option(_choice("path", "virtual", "auto"), str),
     "refresh_after_s": _Option(_seconds, (int, float)),
+    "tier": _Option(parse_tier, str),
 }
 _FILE_OPTIONS: Mapping[str, _Option] = {
     "refresh_after_s": _Option(_seconds, (int, float)),
     "temp_grace_s": _Option(_seconds, (int, float)),
+    "tier": _Option(parse_tier, str),
 }
 
 
@@ -137,7 +152,9 @@ def _options(
         elif isinstance(value, option.kind) and not isinstance(value, bool):
             options[name] = value
         else:
-            raise StoreURLError(f"option {name!r} must be a {option.kind}, got {type(value).__name__}")
+            raise StoreURLError(
+                f"option {name!r} must be a {option.kind}, got {type(value).__name__}"
+            )
     return options
 
 
@@ -177,15 +194,21 @@ def _open_s3(
     return S3Store(bucket, prefix, session=session, **options)  # type: ignore[arg-type]
 
 
-def open_store(url: str, *, session: boto3.session.Session | None = None, **options: object) -> ChunkStore:
+def open_store(
+    url: str, *, session: boto3.session.Session | None = None, **options: object
+) -> ChunkStore:
     """Open the chunk store that `url` names.
 
-    - `file:///abs/dir[?refresh_after_s=..&temp_grace_s=..]`: a `LocalStore`.
+    - `file:///abs/dir[?refresh_after_s=..&temp_grace_s=..&tier=..]`: a `LocalStore`.
     - `s3://bucket[/prefix]?endpoint_url=..&region=..&<tuning>`: an `S3Store`;
       tuning options are `retry_mode` (standard|adaptive), `max_attempts`,
       `connect_timeout`, `read_timeout`, `multipart_threshold`, `part_size`,
       `max_concurrency`, `addressing_style` (path|virtual|auto),
       `refresh_after_s`. Credentials come from the AWS chain or `session`.
+
+    Both take `tier` (resident|local|object): the tier the store's replicas
+    are catalogued in. A directory defaults to `local`, S3 to `object`; a
+    directory on a network mount or a MinIO next to the GPU can say otherwise.
 
     Keyword `options` (same names, typed values or strings) override the
     URL's. A URL with user-info (credentials), an unknown scheme or option,

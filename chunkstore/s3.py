@@ -32,7 +32,7 @@ from botocore.exceptions import (
 )
 from typing_extensions import Buffer
 
-from chunkstore.base import BlobStat, ChunkStore, Receipt, validate_key
+from chunkstore.base import BlobStat, ChunkStore, Receipt, Tier, parse_tier, utcnow, validate_key
 from chunkstore.errors import (
     BlobNotFoundError,
     ChunkIntegrityError,
@@ -137,8 +137,10 @@ class S3Store(ChunkStore):
         max_concurrency: int = 8,
         addressing_style: AddressingStyle | None = None,
         refresh_after_s: float = DEFAULT_REFRESH_AFTER_S,
+        tier: Tier = "object",
         session: boto3.session.Session | None = None,
     ) -> None:
+        self._tier = parse_tier(tier)
         if retry_mode not in ("standard", "adaptive"):
             raise StoreURLError(f"retry_mode must be 'standard' or 'adaptive', got {retry_mode!r}")
         if max_attempts < 1:
@@ -188,6 +190,10 @@ class S3Store(ChunkStore):
     def name(self) -> str:
         return self._name
 
+    @property
+    def tier(self) -> Tier:
+        return self._tier
+
     def __repr__(self) -> str:
         return f"S3Store({self._name!r})"
 
@@ -210,7 +216,12 @@ class S3Store(ChunkStore):
             return self._pool
 
     def _call(
-        self, op: str, key: str | None, fn: Callable[[], _T], *, passthrough: frozenset[int] = frozenset()
+        self,
+        op: str,
+        key: str | None,
+        fn: Callable[[], _T],
+        *,
+        passthrough: frozenset[int] = frozenset(),
     ) -> _T:
         """Run one client call, mapping its failure to a domain error.
 
@@ -265,7 +276,8 @@ class S3Store(ChunkStore):
     def _head(self, key: str) -> Mapping[str, Any]:
         obj = self.object_key(key)
         return self._call(
-            "head", key,
+            "head",
+            key,
             lambda: self.client.head_object(Bucket=self.bucket, Key=obj, ChecksumMode="ENABLED"),
         )
 
@@ -291,13 +303,22 @@ class S3Store(ChunkStore):
     def _put_single(self, key: str, view: memoryview) -> Receipt | None:
         obj = self.object_key(key)
         sha_b64, _ = _sha256_b64(view)
-        body = view.obj if isinstance(view.obj, bytes) and len(view.obj) == view.nbytes else view.tobytes()
+        body = (
+            view.obj
+            if isinstance(view.obj, bytes) and len(view.obj) == view.nbytes
+            else view.tobytes()
+        )
         try:
             resp = self._call(
-                "put", key,
+                "put",
+                key,
                 lambda: self.client.put_object(
-                    Bucket=self.bucket, Key=obj, Body=body, IfNoneMatch="*",
-                    ChecksumSHA256=sha_b64, ContentType=_CONTENT_TYPE,
+                    Bucket=self.bucket,
+                    Key=obj,
+                    Body=body,
+                    IfNoneMatch="*",
+                    ChecksumSHA256=sha_b64,
+                    ContentType=_CONTENT_TYPE,
                 ),
                 passthrough=frozenset({412}),
             )
@@ -322,9 +343,13 @@ class S3Store(ChunkStore):
         obj = self.object_key(key)
         size = view.nbytes
         part_size = max(self.part_size, math.ceil(size / MAX_PARTS))
-        ranges = [(i + 1, off, min(off + part_size, size)) for i, off in enumerate(range(0, size, part_size))]
+        ranges = [
+            (i + 1, off, min(off + part_size, size))
+            for i, off in enumerate(range(0, size, part_size))
+        ]
         created = self._call(
-            "multipart put", key,
+            "multipart put",
+            key,
             lambda: self.client.create_multipart_upload(
                 Bucket=self.bucket, Key=obj, ChecksumAlgorithm="SHA256", ContentType=_CONTENT_TYPE
             ),
@@ -335,35 +360,49 @@ class S3Store(ChunkStore):
             piece = view[start:end]
             sha_b64, digest = _sha256_b64(piece)
             resp = self._call(
-                f"upload of part {part} in multipart put", key,
+                f"upload of part {part} in multipart put",
+                key,
                 lambda: self.client.upload_part(
-                    Bucket=self.bucket, Key=obj, UploadId=upload_id, PartNumber=part,
-                    Body=piece.tobytes(), ChecksumSHA256=sha_b64,
+                    Bucket=self.bucket,
+                    Key=obj,
+                    UploadId=upload_id,
+                    PartNumber=part,
+                    Body=piece.tobytes(),
+                    ChecksumSHA256=sha_b64,
                 ),
             )
             return part, str(resp["ETag"]), digest
 
         try:
-            parts = _run_all(self._executor(), [functools.partial(upload, p, s, e) for p, s, e in ranges])
+            parts = _run_all(
+                self._executor(), [functools.partial(upload, p, s, e) for p, s, e in ranges]
+            )
         except ChunkStoreError as exc:
             self._abort(key, obj, upload_id)
             # Until CompleteMultipartUpload nothing is visible under the key.
-            raise StoreWriteError(f"{self._name}: multipart put of blob {key} did not land: {exc}") from exc
+            raise StoreWriteError(
+                f"{self._name}: multipart put of blob {key} did not land: {exc}"
+            ) from exc
         except BaseException:
             self._abort(key, obj, upload_id)
             raise
         parts.sort()
         digests = b"".join(d for _, _, d in parts)
-        composite = base64.b64encode(hashlib.sha256(digests).digest()).decode("ascii") + f"-{len(parts)}"
+        composite = (
+            base64.b64encode(hashlib.sha256(digests).digest()).decode("ascii") + f"-{len(parts)}"
+        )
         listing: list[CompletedPartTypeDef] = [
             {"PartNumber": n, "ETag": etag, "ChecksumSHA256": base64.b64encode(d).decode("ascii")}
             for n, etag, d in parts
         ]
         try:
             resp = self._call(
-                "multipart put", key,
+                "multipart put",
+                key,
                 lambda: self.client.complete_multipart_upload(
-                    Bucket=self.bucket, Key=obj, UploadId=upload_id,
+                    Bucket=self.bucket,
+                    Key=obj,
+                    UploadId=upload_id,
                     MultipartUpload={"Parts": listing},
                     IfNoneMatch="*",
                 ),
@@ -396,16 +435,23 @@ class S3Store(ChunkStore):
     def _abort(self, key: str, obj: str, upload_id: str) -> None:
         try:
             self._call(
-                "abort of multipart put", key,
-                lambda: self.client.abort_multipart_upload(Bucket=self.bucket, Key=obj, UploadId=upload_id),
+                "abort of multipart put",
+                key,
+                lambda: self.client.abort_multipart_upload(
+                    Bucket=self.bucket, Key=obj, UploadId=upload_id
+                ),
                 passthrough=frozenset({404}),
             )
         except (ChunkStoreError, ClientError) as exc:
             # The parts cost storage until a bucket lifecycle rule
             # (AbortIncompleteMultipartUpload) reaps them; they are never visible.
-            logger.warning("%s: could not abort multipart upload of blob %s: %s", self._name, key, exc)
+            logger.warning(
+                "%s: could not abort multipart upload of blob %s: %s", self._name, key, exc
+            )
 
-    def _existing(self, key: str, size: int, sha_b64: str | None, *, refresh: bool = True) -> Receipt | None:
+    def _existing(
+        self, key: str, size: int, sha_b64: str | None, *, refresh: bool = True
+    ) -> Receipt | None:
         """The receipt of an object already stored under `key`, after checking it is ours.
 
         Returns None when the object vanished meanwhile (the put should be retried).
@@ -423,7 +469,14 @@ class S3Store(ChunkStore):
         etag = _etag(head.get("ETag"))
         remote_sha = head.get("ChecksumSHA256")
         # A single-part object's checksum is of its whole content and can be compared.
-        if sha_b64 and remote_sha and etag and "-" not in etag and "-" not in remote_sha and remote_sha != sha_b64:
+        if (
+            sha_b64
+            and remote_sha
+            and etag
+            and "-" not in etag
+            and "-" not in remote_sha
+            and remote_sha != sha_b64
+        ):
             raise ChunkIntegrityError(
                 f"{self._name}: object for blob {key} has SHA-256 {remote_sha}, expected {sha_b64}: "
                 "a wrong object sits under a content address"
@@ -456,11 +509,15 @@ class S3Store(ChunkStore):
         """
         obj = self.object_key(key)
         self._call(
-            "touch", key,
+            "touch",
+            key,
             lambda: self.client.copy_object(
-                Bucket=self.bucket, Key=obj, CopySource={"Bucket": self.bucket, "Key": obj},
-                MetadataDirective="REPLACE", ContentType=_CONTENT_TYPE,
-                Metadata={"kvc-touched": datetime.now(UTC).isoformat()},
+                Bucket=self.bucket,
+                Key=obj,
+                CopySource={"Bucket": self.bucket, "Key": obj},
+                MetadataDirective="REPLACE",
+                ContentType=_CONTENT_TYPE,
+                Metadata={"kvc-touched": utcnow().isoformat()},
                 ChecksumAlgorithm="SHA256",
             ),
         )
@@ -468,7 +525,9 @@ class S3Store(ChunkStore):
     def delete(self, key: str) -> None:
         obj = self.object_key(key)
         with contextlib.suppress(BlobNotFoundError):  # S3 itself says 204 for an absent key
-            self._call("delete", key, lambda: self.client.delete_object(Bucket=self.bucket, Key=obj))
+            self._call(
+                "delete", key, lambda: self.client.delete_object(Bucket=self.bucket, Key=obj)
+            )
 
     # -- reads ------------------------------------------------------------
 
@@ -479,63 +538,98 @@ class S3Store(ChunkStore):
         """
         obj = self.object_key(key)
         window = self.multipart_threshold
-        for attempt in range(1, self.max_attempts + 1):
+
+        def first_window() -> tuple[bytes | bytearray, int, str | None]:
+            """The blob (whole, or a buffer of its size with the first `got` bytes), `got`, ETag."""
             try:
                 first = self._call(
-                    "get", key,
-                    lambda: self.client.get_object(Bucket=self.bucket, Key=obj, Range=f"bytes=0-{window - 1}"),
+                    "get",
+                    key,
+                    lambda: self.client.get_object(
+                        Bucket=self.bucket, Key=obj, Range=f"bytes=0-{window - 1}"
+                    ),
                     passthrough=frozenset({416}),
                 )
             except ClientError:  # 416: a range cannot start inside an empty object
-                return self._get_whole(key, obj)
+                whole = self._get_whole(key, obj)
+                return whole, len(whole), None
             total = _total_size(first)
-            etag = first.get("ETag")
+            got = int(first["ContentLength"])
             body = first["Body"]
-            try:
-                if total == int(first["ContentLength"]):
-                    return body.read()
+            with self._reading(key, body):
+                if total == got:
+                    data: bytes = body.read()
+                    return data, got, None
                 buf = bytearray(total)
-                _read_into(body, memoryview(buf)[: int(first["ContentLength"])])
-            except FlexibleChecksumError as exc:
-                body.close()
-                raise self._checksum_mismatch(key, exc) from exc
+                _read_into(body, memoryview(buf)[:got])
+            return buf, got, first.get("ETag")
+
+        buf, got, etag = self._retry_stream(key, first_window)
+        if got == len(buf):
+            return buf
+        assert isinstance(buf, bytearray)
+        jobs = [
+            functools.partial(
+                self._fetch_range, key, obj, s, min(s + self.part_size, len(buf)), etag, buf
+            )
+            for s in range(got, len(buf), self.part_size)
+        ]
+        _run_all(self._executor(), jobs)
+        return buf
+
+    def _retry_stream(self, key: str, read: Callable[[], _T]) -> _T:
+        """Run `read` (one GET and the reading of its body), again while the body breaks off
+        mid-stream (botocore retries a request, not the body streaming after it), up to
+        `max_attempts` in all."""
+        for attempt in range(1, self.max_attempts + 1):
+            try:
+                return read()
             except _STREAM_ERRORS as exc:
-                body.close()
                 if attempt == self.max_attempts:
                     raise self._map_error("get", key, exc, attempts=attempt) from exc
                 logger.debug("%s: get of blob %s broke off (%s); retrying", self._name, key, exc)
-                continue
-            start = int(first["ContentLength"])
-            jobs = [
-                functools.partial(self._fetch_range, key, obj, s, min(s + self.part_size, total), etag, buf)
-                for s in range(start, total, self.part_size)
-            ]
-            _run_all(self._executor(), jobs)
-            return buf
         raise AssertionError("unreachable")  # pragma: no cover
+
+    @contextlib.contextmanager
+    def _reading(self, key: str, body: Any) -> Iterator[None]:
+        """Close a response body that failed while being read; a checksum failure is the
+        store's integrity error, a broken stream is raised as it is (for `_retry_stream`)."""
+        try:
+            yield
+        except FlexibleChecksumError as exc:
+            body.close()
+            raise self._checksum_mismatch(key, exc) from exc
+        except _STREAM_ERRORS:
+            body.close()
+            raise
 
     def _get_whole(self, key: str, obj: str) -> bytes:
-        for attempt in range(1, self.max_attempts + 1):
-            resp = self._call("get", key, lambda: self.client.get_object(Bucket=self.bucket, Key=obj))
-            try:
-                return resp["Body"].read()
-            except FlexibleChecksumError as exc:
-                resp["Body"].close()
-                raise self._checksum_mismatch(key, exc) from exc
-            except _STREAM_ERRORS as exc:
-                if attempt == self.max_attempts:
-                    raise self._map_error("get", key, exc, attempts=attempt) from exc
-        raise AssertionError("unreachable")  # pragma: no cover
+        def read() -> bytes:
+            resp = self._call(
+                "get", key, lambda: self.client.get_object(Bucket=self.bucket, Key=obj)
+            )
+            with self._reading(key, resp["Body"]):
+                data: bytes = resp["Body"].read()
+            return data
 
-    def _fetch_range(self, key: str, obj: str, start: int, end: int, etag: str | None, buf: bytearray) -> None:
+        return self._retry_stream(key, read)
+
+    def _fetch_range(
+        self, key: str, obj: str, start: int, end: int, etag: str | None, buf: bytearray
+    ) -> None:
         # If-Match pins every range to the object the first response came from.
         if_match = etag or "*"
-        for attempt in range(1, self.max_attempts + 1):
+
+        def read() -> None:
             try:
                 resp = self._call(
-                    "get", key,
+                    "get",
+                    key,
                     lambda: self.client.get_object(
-                        Bucket=self.bucket, Key=obj, Range=f"bytes={start}-{end - 1}", IfMatch=if_match
+                        Bucket=self.bucket,
+                        Key=obj,
+                        Range=f"bytes={start}-{end - 1}",
+                        IfMatch=if_match,
                     ),
                     passthrough=frozenset({412}),
                 )
@@ -548,16 +642,10 @@ class S3Store(ChunkStore):
                     f"{self._name}: ranged get of blob {key} returned {resp['ContentLength']} bytes, "
                     f"expected {end - start}"
                 )
-            try:
+            with self._reading(key, resp["Body"]):
                 _read_into(resp["Body"], memoryview(buf)[start:end])
-                return
-            except FlexibleChecksumError as exc:
-                resp["Body"].close()
-                raise self._checksum_mismatch(key, exc) from exc
-            except _STREAM_ERRORS as exc:
-                resp["Body"].close()
-                if attempt == self.max_attempts:
-                    raise self._map_error("get", key, exc, attempts=attempt) from exc
+
+        self._retry_stream(key, read)
 
     def exists(self, key: str) -> bool:
         try:
@@ -572,14 +660,16 @@ class S3Store(ChunkStore):
 
     def keys(self) -> Iterator[str]:
         list_prefix = f"{self.prefix}/" if self.prefix else ""
-        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=list_prefix)
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=list_prefix
+        )
         it = iter(pages)
         while True:
             page = self._call("list", None, lambda: next(it, None))
             if page is None:
                 return
             for item in page.get("Contents", []):
-                name = item["Key"][len(list_prefix):]
+                name = item["Key"][len(list_prefix) :]
                 try:
                     yield validate_key(name)
                 except ValueError:
@@ -608,7 +698,7 @@ def _server_time(resp: Mapping[str, Any]) -> datetime:
             return _utc(parsedate_to_datetime(date))
         except (TypeError, ValueError):
             pass
-    return datetime.now(UTC)
+    return utcnow()
 
 
 def _total_size(resp: Mapping[str, Any]) -> int:

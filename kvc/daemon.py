@@ -2,32 +2,24 @@
 
 An engine that cannot link kvc in process talks to a `Daemon` over HTTP: it
 configures a pool for its fingerprint, then asks for checkpoints of its routes
-and restores of new prompts. After a checkpoint (or a restore) the chunks a
-route holds whole are advertised in the catalog as *resident* replicas at
-`worker:<id>`, so a planner elsewhere can prefer forking them to fetching. The
-pool dies with the process, so a daemon starting under the same worker id
-first withdraws every resident replica the catalog still credits it with
-(`reconcile`).
+and restores of new prompts. What the pool holds is kept in step with the
+catalog (resident replicas at `worker:<id>`, demand, reconcile on start) by
+`restore.residency.Residency`; a restore is planned by `restore.planner.Planner`
+(fork resident pages, restore from a tier, or recompute). This module is the
+HTTP face of both, and the translation of their errors into statuses.
 
 `POST /v1/prefill` computes KV with the in-tree reference decoder: it is the
 reference-engine hook that lets tests and the demo drive a daemon without a
 real engine, and it answers 409 for any other fingerprint.
-
-A quarantine records `invalidate` events addressed to the workers holding the
-quarantined chunks (ARCHITECTURE 9). A background timer applies the ones
-addressed to this worker every `invalidation_interval` seconds, so the
-affected routes leave the pool without anyone calling `refresh`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from collections import Counter, deque
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
@@ -35,10 +27,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from catalog import Fingerprint, prefix_hashes
-from catalog.catalog import Catalog
+from catalog import Fingerprint, fingerprint_hex
+from catalog.base import CatalogAPI
+from catalog.clock import utcnow
 from catalog.errors import CatalogError, IdentityError, NotFoundError
-from catalog.models import ReplicaReceipt
 from chunkstore import ChunkStore
 from chunkstore.errors import ChunkStoreError
 from kvc import __version__
@@ -50,8 +42,11 @@ from restore.errors import (
     RestoreError,
     UnknownRouteError,
 )
+from restore.planner import Planner
 from restore.pool import PagePool
+from restore.residency import DEFAULT_DEMAND_TTL_S, Residency, timer_interval
 from restore.restore import Restorer
+from restore.reuse import reuse_prefix
 
 __all__ = [
     "CheckpointRequest",
@@ -68,9 +63,17 @@ log = logging.getLogger(__name__)
 MAX_TOKENS = 1 << 20
 REFERENCE = "reference"
 DEFAULT_INVALIDATION_INTERVAL = 2.0
-# How long close() waits for a timer tick stuck in a catalog call; the thread is a
-# daemon thread, so one that outlives the wait cannot keep the process alive.
+# The planner's prefill rate until the engine says (configure's prefill_tokens_per_s):
+# a cautious guess at a small GPU's, so a stored prefix is restored rather than recomputed.
+DEFAULT_PREFILL_TOKENS_PER_S = 5000.0
+# How long close() waits for an invalidation timer tick stuck in a catalog call.
 _TIMER_JOIN_SECONDS = 10.0
+
+_COUNTS = (
+    *("configures", "prefills", "checkpoints", "restores", "restore_misses"),
+    *("restored_tokens", "restored_bytes", "planned_forks", "planned_restores"),
+    "planned_recomputes",
+)
 
 Token = Annotated[StrictInt, Field(ge=0, le=0xFFFFFFFF)]
 Tokens = Annotated[list[Token], Field(min_length=1, max_length=MAX_TOKENS)]
@@ -87,6 +90,7 @@ class ConfigureRequest(_Body):
     fingerprint: dict[str, Any] | Annotated[StrictStr, Field(min_length=1, max_length=200)]
     num_pages: Annotated[StrictInt, Field(ge=1)]
     page_size: Annotated[StrictInt, Field(ge=1, le=4096)] | None = None
+    prefill_tokens_per_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
 
 
 class PrefillRequest(_Body):
@@ -121,10 +125,6 @@ class DaemonError(Exception):
         self.field = field
 
 
-def _now() -> datetime:
-    return datetime.now(UTC)
-
-
 class Daemon:
     """Holds at most one page pool (for one fingerprint) and checkpoints/restores its routes.
 
@@ -132,14 +132,16 @@ class Daemon:
     `stores[0]` takes checkpoints synchronously; an object store after it gets
     write-behind uploads; restores read from all of them. `engines` are the
     reference models `prefill` may use (default: `ReferenceModel.small(0)`,
-    built on first use). Every `invalidation_interval` seconds (0: never) a
-    daemon thread applies quarantine invalidations (`apply_invalidations`) and
-    withdraws the resident replicas of the routes it dropped; `close` stops it.
+    built on first use). `prefill_tokens_per_s` is the engine's prefill rate
+    the planner weighs restores against (configure may set it too). Every
+    `invalidation_interval` seconds (0: never) a daemon thread applies
+    quarantine invalidations (`apply_invalidations`) and withdraws the resident
+    replicas of the routes it dropped; `close` stops it.
     """
 
     def __init__(
         self,
-        catalog: Catalog,
+        catalog: CatalogAPI,
         stores: Sequence[ChunkStore],
         *,
         worker_id: str,
@@ -149,6 +151,8 @@ class Daemon:
         engines: Sequence[ReferenceModel] | None = None,
         max_pool_bytes: int = 8 << 30,
         invalidation_interval: float = DEFAULT_INVALIDATION_INTERVAL,
+        prefill_tokens_per_s: float | None = None,
+        demand_ttl_s: float = DEFAULT_DEMAND_TTL_S,
     ) -> None:
         if not isinstance(worker_id, str) or not worker_id.strip():
             raise ValueError("worker_id must be a non-empty string")
@@ -156,67 +160,43 @@ class Daemon:
             raise ValueError("a daemon needs at least one store to checkpoint into")
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
-        if (
-            isinstance(invalidation_interval, bool)
-            or not isinstance(invalidation_interval, int | float)
-            or not math.isfinite(invalidation_interval)
-            or invalidation_interval < 0
-        ):
-            raise ValueError(
-                "invalidation_interval must be a finite number of seconds >= 0 (0 disables "
-                f"the timer), got {invalidation_interval!r}"
-            )
+        interval = timer_interval(invalidation_interval)
         self.catalog = catalog
         self.worker_id = worker_id
         self.location = f"worker:{worker_id}"
         self.namespace = namespace
         self.page_size = page_size
         self.max_pool_bytes = max_pool_bytes
-        write_behind = write_behind_store(stores[1:])
+        wb = write_behind_store(stores[1:])
         self._checkpointer = Checkpointer(
-            catalog,
-            stores[0],
-            namespace,
-            chunk_size,
-            write_behind=write_behind,
-            actor=self.location,
+            catalog, stores[0], namespace, chunk_size, write_behind=wb, actor=self.location
         )
         self.chunk_size = self._checkpointer.chunk_size
         self._restorer = Restorer(catalog, stores, namespace, actor=self.location)
+        self._residency = Residency(
+            catalog,
+            worker_id=worker_id,
+            namespace=namespace,
+            chunk_size=self.chunk_size,
+            demand_ttl_s=demand_ttl_s,
+        )
+        self._planner = Planner(prefill_tokens_per_s or DEFAULT_PREFILL_TOKENS_PER_S)
         self._engines: dict[str, ReferenceModel] | None = (
             None if engines is None else {m.fingerprint.hex: m for m in engines}
         )
         self._lock = threading.RLock()
-        # Refreshes are serialised so one never withdraws what another just advertised.
-        self._sync_lock = threading.Lock()
-        self._pool: PagePool | None = None
         self._fingerprint: Fingerprint | None = None
-        # route -> {blob key: stored bytes} of the chunks that route holds whole.
-        self._held: dict[int, dict[str, int]] = {}
-        self._invalidated_seq = 0  # last `invalidate` event applied
-        # The timer and `refresh` both move the event cursor: one reader at a time.
-        self._invalidation_lock = threading.Lock()
-        self._last_invalidation_check: datetime | None = None
         self._counts: Counter[str] = Counter()
         self._errors: deque[dict[str, Any]] = deque(maxlen=10)
         self._closed = False
-        self.invalidation_interval = float(invalidation_interval)
-        self._stop = threading.Event()
-        self._withdraw_pending = False  # touched by the timer thread only
-        self._timer: threading.Thread | None = None
-        if self.invalidation_interval > 0:
-            self._timer = threading.Thread(
-                target=self._run_timer,
-                name=f"kvc-daemon-invalidations[{self.location}]",
-                daemon=True,
-            )
-            self._timer.start()
+        self.invalidation_interval = interval
+        if interval > 0:
+            self._residency.start_timer(self.invalidation_interval)
 
     @property
     def pool(self) -> PagePool | None:
         """The configured pool (None before `configure`), for an engine running in process."""
-        with self._lock:
-            return self._pool
+        return self._residency.pool
 
     @property
     def fingerprint(self) -> Fingerprint | None:
@@ -231,78 +211,18 @@ class Daemon:
         Call it on start: a new pool holds nothing, so every resident replica
         the catalog still lists for this worker id is stale.
         """
-        return self._sync(advertise=False)["withdrawn"]
+        return self._residency.reconcile()
 
     def refresh(self) -> dict[str, int]:
         """Apply pending invalidations, then make the catalog's resident replicas for this
         worker exactly what the pool holds."""
         dropped = self.apply_invalidations()
-        return {**self._sync(advertise=True), "invalidated_routes": dropped}
+        return {**self._residency.sync(), "invalidated_routes": dropped}
 
     def apply_invalidations(self) -> int:
-        """Drop every route holding a blob that a quarantine invalidated on this worker.
-
-        Quarantine records one `invalidate` event per replica (ARCHITECTURE 9);
-        the events addressed to this worker's location are read in order from
-        the last one applied. Returns how many routes were released. The
-        background timer calls this; so does `refresh`.
-        """
-        with self._invalidation_lock:
-            events = self.catalog.events(
-                kind="invalidate", since_seq=self._invalidated_seq, limit=10_000
-            )
-            bad: set[str] = set()
-            seen = self._invalidated_seq
-            for e in events:
-                seen = max(seen, e.seq)
-                if e.details.get("location") == self.location and e.subject:
-                    bad.add(e.subject)
-            dropped = 0
-            # The same lock as every other pool/route change: a request never sees
-            # a route half-dropped, and a dropped route is never re-held.
-            with self._lock:
-                pool = self._pool
-                if bad and pool is not None:
-                    for route, held in list(self._held.items()):
-                        if bad & held.keys() and route in pool.routes():
-                            pool.release(route)
-                            del self._held[route]
-                            dropped += 1
-                self._counts["invalidated_routes"] += dropped
-                self._counts["invalidation_checks"] += 1
-                self._last_invalidation_check = _now()
-            # Only now: a drop that raised is read again next time.
-            self._invalidated_seq = seen
-        if bad:
-            log.info("dropped %d route(s) holding %d invalidated blob(s)", dropped, len(bad))
-        return dropped
-
-    def _run_timer(self) -> None:
-        while not self._stop.wait(self.invalidation_interval):
-            self._tick()
-
-    def _tick(self) -> None:
-        """One timer round: apply invalidations, withdraw what they dropped; never raises."""
-        if self._closed:
-            return
-        try:
-            # A withdrawal that failed after its routes were dropped is retried on
-            # the next tick, though that tick may drop nothing new.
-            self._withdraw_pending = self.apply_invalidations() > 0 or self._withdraw_pending
-            if self._withdraw_pending:
-                self._sync(advertise=True)
-                self._withdraw_pending = False
-        except Exception as exc:
-            # The class name only: a driver's message may carry a URL or a user name,
-            # and the next tick retries from the same event cursor anyway.
-            with self._lock:
-                self._counts["invalidation_failures"] += 1
-            log.warning(
-                "invalidation check on %s failed (%s); retrying in %gs",
-                self.location,
-                exc.__class__.__name__,
-                self.invalidation_interval,
-            )
+        """Drop every route holding a blob that a quarantine invalidated on this worker
+        (`Residency.apply_invalidations`); returns how many. The timer calls this, so does `refresh`."""
+        return self._residency.apply_invalidations()
 
     def close(self) -> None:
         """Stop the invalidation timer, release the pool, withdraw its resident replicas,
@@ -311,21 +231,10 @@ class Daemon:
             if self._closed:
                 return
             self._closed = True
-        self._stop.set()
-        timer = self._timer
-        if timer is not None and timer is not threading.current_thread():
-            timer.join(_TIMER_JOIN_SECONDS)
-            if timer.is_alive():
-                log.warning(
-                    "the invalidation timer of %s is still in a catalog call after %gs; "
-                    "closing without it",
-                    self.location,
-                    _TIMER_JOIN_SECONDS,
-                )
+        self._residency.stop_timer(_TIMER_JOIN_SECONDS)
         with self._lock:
-            self._pool = None
+            self._residency.use_pool(None)
             self._fingerprint = None
-            self._held.clear()
         try:
             self.reconcile()
         finally:
@@ -341,9 +250,14 @@ class Daemon:
     # -- operations ----------------------------------------------------------------
 
     def configure(
-        self, fingerprint: Mapping[str, Any] | str, num_pages: int, page_size: int | None = None
+        self,
+        fingerprint: Mapping[str, Any] | str,
+        num_pages: int,
+        page_size: int | None = None,
+        prefill_tokens_per_s: float | None = None,
     ) -> dict[str, Any]:
-        """Create the pool for `fingerprint`'s layout; anything but an identical request drops the old one."""
+        """Create the pool for `fingerprint`'s layout; anything but an identical request drops
+        the old one. `prefill_tokens_per_s`: the engine's prefill rate, for the planner."""
         with self._errors_as("configure"):
             fp = self._resolve_fingerprint(fingerprint)
             ps = self.page_size if page_size is None else page_size
@@ -356,9 +270,11 @@ class Daemon:
                     f"daemon's limit of {self.max_pool_bytes}",
                     field="num_pages",
                 )
+            if prefill_tokens_per_s is not None:
+                self._planner.prefill_tokens_per_s = prefill_tokens_per_s
             with self._lock:
                 self._check_open()
-                pool = self._pool
+                pool = self._residency.pool
                 same = (
                     pool is not None
                     and self._fingerprint == fp
@@ -367,12 +283,11 @@ class Daemon:
                 if not same:
                     # Register first, so other workers can name this fingerprint by hex.
                     self.catalog.register_fingerprint(fp)
-                    self._pool = PagePool(layout, ps, num_pages=num_pages)
+                    self._residency.use_pool(PagePool(layout, ps, num_pages=num_pages))
                     self._fingerprint = fp
-                    self._held.clear()
                     self._counts["configures"] += 1
             if not same and pool is not None:
-                self._sync(advertise=True)
+                self._residency.sync()
             return {
                 "fingerprint": fp.hex,
                 "layout": layout.to_dict(),
@@ -418,10 +333,10 @@ class Daemon:
             result = self._checkpointer.checkpoint(
                 pool, route, list(tokens), fp, name=name, pending=pending
             )
-            resident = self._whole_chunks(fp, tokens)
-            self._hold(pool, route, resident)
+            resident = self._residency.whole_chunks(fp, tokens)
+            self._residency.hold(pool, route, resident)
             self._counts["checkpoints"] += 1
-            self._sync(advertise=True)
+            self._residency.sync()
             return {
                 "route": route,
                 "tokens": result.tokens,
@@ -434,60 +349,46 @@ class Daemon:
             }
 
     def restore(self, tokens: Sequence[int]) -> dict[str, Any] | None:
-        """Restore the longest verified stored prefix into a new route; None on a miss."""
+        """Plan, then fork resident pages, restore the longest verified stored prefix into a
+        new route, or leave the prompt to the engine (recompute); None on a miss.
+
+        The answer's `decision` says which and why, with the planner's estimates.
+        """
         with self._errors_as("restore"):
             pool, fp = self._current()
-            result = self._restorer.restore(pool, list(tokens), fp)
-            if result.route is None:
+            done = reuse_prefix(self._planner, self._restorer, self._residency, pool, fp, tokens)
+            if done is None:
                 self._counts["restore_misses"] += 1
                 return None
-            chunks = result.match.chunks if result.match is not None else ()
-            whole = {
-                c.blob_key: c.stored_bytes
-                for c in chunks
-                if c.tokens_used == c.token_count
-                and c.token_start + c.token_count <= result.restored_tokens
-            }
-            self._hold(pool, result.route, whole)
-            self._counts["restores"] += 1
-            self._counts["restored_tokens"] += result.restored_tokens
-            self._counts["restored_bytes"] += result.report.bytes
-            self._sync(advertise=True)
-            return {
-                "route": result.route,
-                "restored_tokens": result.restored_tokens,
-                "recompute_from": result.recompute_from,
-                "prompt_tokens": result.prompt_tokens,
-                "chunks": result.report.chunks,
-                "bytes": result.report.bytes,
-                "failures": list(result.report.failures),
-            }
+            d = done.decision
+            self._counts[f"planned_{d.action}s"] += 1
+            if d.action == "restore":
+                self._counts["restores"] += 1
+                self._counts["restored_tokens"] += done.restored_tokens
+                self._counts["restored_bytes"] += done.bytes
+            if done.route is not None:
+                self._residency.sync()
+            return done.to_dict()
 
     def release(self, route: int) -> dict[str, Any]:
         """Drop one route; the resident replicas only it held are withdrawn."""
         with self._errors_as("release"):
             pool, _ = self._current()
-            with self._lock:
-                pool.release(route)
-                self._held.pop(route, None)
-            self._sync(advertise=True)
+            self._residency.release(pool, route)
+            self._residency.sync()
             return {"released": [route]}
 
     def clear(self) -> dict[str, Any]:
         """Release every route and withdraw every resident replica of this worker."""
         with self._errors_as("clear"):
             pool, _ = self._current()
-            with self._lock:
-                routes = pool.routes()
-                for r in routes:
-                    pool.release(r)
-                self._held.clear()
-            self._sync(advertise=True)
+            routes = self._residency.clear(pool)
+            self._residency.sync()
             return {"released": routes}
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            pool, fp = self._pool, self._fingerprint
+            pool, fp = self._residency.pool, self._fingerprint
             doc: dict[str, Any] = {
                 "worker": self.worker_id,
                 "namespace": self.namespace,
@@ -498,29 +399,13 @@ class Daemon:
                 "pages_free": 0 if pool is None else pool.free_pages,
                 "page_size": self.page_size if pool is None else pool.page_size,
                 "routes": {} if pool is None else {r: pool.length(r) for r in pool.routes()},
-                "resident_chunks": len({k for held in self._held.values() for k in held}),
+                "resident_chunks": self._residency.resident_chunks,
                 "last_errors": list(self._errors),
                 "invalidation_interval": self.invalidation_interval,
-                "invalidation_timer": self._timer is not None and self._timer.is_alive(),
-                "last_invalidation_check": (
-                    None
-                    if self._last_invalidation_check is None
-                    else self._last_invalidation_check.isoformat()
-                ),
+                **self._residency.invalidation_stats(),
+                "prefill_tokens_per_s": self._planner.prefill_tokens_per_s,
             }
-            for key in (
-                "configures",
-                "prefills",
-                "checkpoints",
-                "restores",
-                "restore_misses",
-                "restored_tokens",
-                "restored_bytes",
-                "invalidation_checks",
-                "invalidation_failures",
-                "invalidated_routes",
-            ):
-                doc[key] = self._counts[key]
+            doc.update({key: self._counts[key] for key in _COUNTS})
             doc["checkpoints_dropped"] = dict(self._checkpointer.dropped)
             return doc
 
@@ -533,9 +418,10 @@ class Daemon:
     def _current(self) -> tuple[PagePool, Fingerprint]:
         with self._lock:
             self._check_open()
-            if self._pool is None or self._fingerprint is None:
+            pool = self._residency.pool
+            if pool is None or self._fingerprint is None:
                 raise DaemonError(409, "no pool is configured: POST /v1/configure first")
-            return self._pool, self._fingerprint
+            return pool, self._fingerprint
 
     def _reference_engines(self) -> dict[str, ReferenceModel]:
         with self._lock:
@@ -552,7 +438,10 @@ class Daemon:
             engines = self._reference_engines()
             if spec == REFERENCE:
                 return next(iter(engines.values())).fingerprint
-            found = self.catalog.get_fingerprint(spec.lower()) if _is_hex(spec) else None
+            try:
+                found = self.catalog.get_fingerprint(fingerprint_hex(spec.lower()))
+            except IdentityError:
+                found = None
             if found is None and spec.lower() in engines:
                 found = engines[spec.lower()].fingerprint
             if found is None:
@@ -568,71 +457,6 @@ class Daemon:
             raise DaemonError(
                 422, f"invalid fingerprint descriptor: {exc}", field="fingerprint"
             ) from exc
-
-    def _whole_chunks(self, fp: Fingerprint, tokens: Sequence[int]) -> dict[str, int]:
-        """Blob keys (with stored bytes) of the chunks exactly covering `tokens`."""
-        exact = set(prefix_hashes(self.namespace, list(tokens), self.chunk_size))
-        # A dummy pending token lets the lookup cover every checkpointed position.
-        match = self.catalog.lookup(self.namespace, fp, [*tokens, 0])
-        # Filtering by our own prefix hashes keeps a longer sibling tail out.
-        return {
-            c.blob_key: c.stored_bytes
-            for c in match.chunks
-            if c.prefix_hash in exact and c.tokens_used == c.token_count
-        }
-
-    def _hold(self, pool: PagePool, route: int, chunks: dict[str, int]) -> None:
-        with self._lock:
-            # A reconfigure or release while we worked means the route is gone.
-            if self._pool is pool and route in pool.routes():
-                self._held.setdefault(route, {}).update(chunks)
-
-    def _sync(self, *, advertise: bool) -> dict[str, int]:
-        with self._sync_lock:
-            with self._lock:
-                pool = self._pool
-                live = set(pool.routes()) if pool is not None else set()
-                for r in [r for r in self._held if r not in live]:
-                    del self._held[r]
-                want: dict[str, int] = {}
-                if advertise:
-                    for held in self._held.values():
-                        want.update(held)
-            present = set(self.catalog.replicas_at(self.location))
-            stale = sorted(present - want.keys())
-            withdrawn = 0
-            if stale:
-                withdrawn = self.catalog.remove_replicas(
-                    self.location,
-                    stale,
-                    reason="not resident in this worker's page pool",
-                    actor=self.location,
-                )
-            advertised = 0
-            for key in sorted(want.keys() - present):
-                receipt = ReplicaReceipt(
-                    location=self.location,
-                    tier="resident",
-                    size=want[key],
-                    checksum="resident",
-                    stored_at=_now(),
-                    worker=self.worker_id,
-                )
-                try:
-                    self.catalog.record_replica(
-                        key, receipt, namespace=self.namespace, actor=self.location
-                    )
-                    advertised += 1
-                except NotFoundError:
-                    # The chunk left the catalog (GC, quarantine purge): nothing to advertise.
-                    log.info("chunk %s is no longer catalogued; not advertising it", key)
-                    self._forget(key)
-            return {"advertised": advertised, "withdrawn": withdrawn}
-
-    def _forget(self, key: str) -> None:
-        with self._lock:
-            for held in self._held.values():
-                held.pop(key, None)
 
     @contextmanager
     def _errors_as(self, op: str) -> Iterator[None]:
@@ -650,12 +474,8 @@ class Daemon:
     def _note(self, op: str, err: DaemonError) -> None:
         with self._lock:
             self._errors.append(
-                {"at": _now().isoformat(), "op": op, "status": err.status, "error": err.message}
+                {"at": utcnow().isoformat(), "op": op, "status": err.status, "error": err.message}
             )
-
-
-def _is_hex(s: str) -> bool:
-    return len(s) == 64 and all(c in "0123456789abcdef" for c in s.lower())
 
 
 def _translate(op: str, exc: Exception) -> DaemonError:
@@ -741,7 +561,11 @@ def create_daemon_app(daemon: Daemon) -> FastAPI:
 
     @app.post("/v1/configure")
     def configure(body: ConfigureRequest) -> JSONResponse:
-        return JSONResponse(daemon.configure(body.fingerprint, body.num_pages, body.page_size))
+        return JSONResponse(
+            daemon.configure(
+                body.fingerprint, body.num_pages, body.page_size, body.prefill_tokens_per_s
+            )
+        )
 
     @app.post("/v1/prefill")
     def prefill(body: PrefillRequest) -> JSONResponse:

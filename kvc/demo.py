@@ -12,6 +12,7 @@ import blake3
 import numpy as np
 
 from catalog import Catalog
+from catalog.base import CatalogAPI
 from chunkstore import ChunkStore
 from restore.checkpoint import Checkpointer, write_behind_store
 from restore.engines.reference import ReferenceModel
@@ -84,7 +85,7 @@ class _ReferenceEngine:
 
     def __init__(
         self,
-        catalog: Catalog,
+        catalog: CatalogAPI,
         stores: list[ChunkStore],
         namespace: str,
         chunk_size: int,
@@ -110,7 +111,9 @@ class _ReferenceEngine:
         self.restorer = Restorer(catalog, stores, namespace)
         self._straight: dict[tuple[int, ...], _Run] = {}
 
-    def _decode(self, route: int, first: np.ndarray[Any, Any], n: int) -> tuple[list[int], list[str]]:
+    def _decode(
+        self, route: int, first: np.ndarray[Any, Any], n: int
+    ) -> tuple[list[int], list[str]]:
         logits, out = [first], []
         for _ in range(n):
             t = int(np.argmax(logits[-1]))
@@ -166,7 +169,12 @@ class _HFEngine:
     A run that restored nothing must equal the straight run."""
 
     def __init__(
-        self, model: Any, catalog: Catalog, stores: list[ChunkStore], namespace: str, chunk_size: int
+        self,
+        model: Any,
+        catalog: CatalogAPI,
+        stores: list[ChunkStore],
+        namespace: str,
+        chunk_size: int,
     ) -> None:
         from restore.engines import hf
 
@@ -245,7 +253,9 @@ def run_demo(
     rng = np.random.default_rng(2026)
     vocab = engine.vocab_size
     system = rng.integers(0, vocab, system_tokens).tolist()
-    questions = [rng.integers(0, vocab, int(rng.integers(40, 120))).tolist() for _ in range(sessions)]
+    questions = [
+        rng.integers(0, vocab, int(rng.integers(40, 120))).tolist() for _ in range(sessions)
+    ]
     follow_up = rng.integers(0, vocab, 48).tolist()
     rows: list[SessionRow] = []
     history: dict[str, list[int]] = {}

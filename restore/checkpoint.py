@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 
 from catalog import Fingerprint, chain_root, prefix_hashes
-from catalog.catalog import Catalog
+from catalog.base import CatalogAPI
 from catalog.errors import MissingParentError, NotFoundError, PurgeInProgressError
 from catalog.identity import token_array
 from catalog.models import ChunkRecord, ReplicaReceipt, Shard
-from chunkstore import ChunkStore, Receipt
+from chunkstore import ChunkStore, Receipt, Tier
 from chunkstore.codecs import DEFAULT_CODEC
 from chunkstore.errors import ChunkStoreError
 from chunkstore.record import check_finite, encode_chunk
@@ -30,20 +30,22 @@ from restore.pool import PagePool
 log = logging.getLogger(__name__)
 
 
-def store_tier(store: ChunkStore) -> str:
-    """The catalog tier of a store: object stores are `object`, directories `local`."""
-    return "object" if store.name.startswith("s3:") else "local"
+def store_tier(store: ChunkStore) -> Tier:
+    """The tier `store` declares in its configuration (`ChunkStore.tier`); kept for callers
+    that predate that property."""
+    return store.tier
 
 
 def write_behind_store(stores: Sequence[ChunkStore]) -> ChunkStore | None:
     """Of the stores after the first, the one that gets write-behind copies: the first object store."""
-    return next((s for s in stores if store_tier(s) == "object"), None)
+    return next((s for s in stores if s.tier == "object"), None)
 
 
-def to_replica_receipt(receipt: Receipt, tier: str) -> ReplicaReceipt:
+def to_replica_receipt(receipt: Receipt, tier: Tier) -> ReplicaReceipt:
+    """The catalog's form of a store's receipt, for a replica in `tier` (the store's `tier`)."""
     return ReplicaReceipt(
         location=receipt.store,
-        tier=tier,  # type: ignore[arg-type]
+        tier=tier,
         size=receipt.size,
         checksum=receipt.checksum,
         stored_at=receipt.stored_at,
@@ -90,7 +92,7 @@ class Checkpointer:
 
     def __init__(
         self,
-        catalog: Catalog,
+        catalog: CatalogAPI,
         store: ChunkStore,
         namespace: str = "default",
         chunk_size: int = 256,
@@ -240,7 +242,7 @@ class Checkpointer:
         seconds["plan"] = time.perf_counter() - t0
         records: list[ChunkRecord] = []
         stored = 0
-        tier = store_tier(self.store)
+        tier = self.store.tier
         new = [(i, h) for i, h in enumerate(hashes) if h not in known]
         # Refuse NaN/Inf (pool memory gone bad) before storing anything: one cheap
         # scan of the new chunks first, so a refused checkpoint leaves no bytes.
@@ -358,7 +360,7 @@ class Checkpointer:
             try:
                 self.catalog.record_replica(
                     key,
-                    to_replica_receipt(receipt, store_tier(target)),
+                    to_replica_receipt(receipt, target.tier),
                     namespace=self.namespace,
                     actor=self.actor,
                 )

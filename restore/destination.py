@@ -95,16 +95,7 @@ class PoolDestination:
         self._pages = self.pool.reserve_pages(math.ceil(tokens / self.pool.page_size))
 
     def write(self, kv: np.ndarray[Any, Any], start: int, count: int) -> None:
-        # Slice copies page by page into the layer-major pool: no fancy indexing.
-        ps = self.pool.page_size
-        dst = self.pool.kv
-        pos = start
-        end = start + count
-        while pos < end:
-            page, slot = divmod(pos, ps)
-            n = min(ps - slot, end - pos)
-            dst[:, :, self._pages[page], slot : slot + n] = kv[:, :, pos - start : pos - start + n]
-            pos += n
+        self.pool.write_pages(self._pages, start, kv[:, :, :count])
 
     def commit(self, tokens: int) -> None:
         keep = math.ceil(tokens / self.pool.page_size)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -56,18 +58,29 @@ class Planner:
         self._alpha = smoothing
         self._lock = threading.Lock()
 
+    def use_measured(self, tier_bytes_per_s: Mapping[str, float]) -> None:
+        """Take rates measured elsewhere (`Restorer.tier_rates`) as they are, per tier."""
+        with self._lock:
+            self.tier_bytes_per_s.update(
+                {t: r for t, r in tier_bytes_per_s.items() if r > 0 and math.isfinite(r)}
+            )
+
     def observe_restore(self, tier: str, nbytes: int, seconds: float) -> None:
         if nbytes > 0 and seconds > 0:
             with self._lock:
                 old = self.tier_bytes_per_s.get(tier)
                 rate = nbytes / seconds
-                self.tier_bytes_per_s[tier] = rate if old is None else (1 - self._alpha) * old + self._alpha * rate
+                self.tier_bytes_per_s[tier] = (
+                    rate if old is None else (1 - self._alpha) * old + self._alpha * rate
+                )
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
             with self._lock:
                 rate = tokens / seconds
-                self.prefill_tokens_per_s = (1 - self._alpha) * self.prefill_tokens_per_s + self._alpha * rate
+                self.prefill_tokens_per_s = (
+                    1 - self._alpha
+                ) * self.prefill_tokens_per_s + self._alpha * rate
 
     def plan(
         self,
@@ -87,7 +100,12 @@ class Planner:
         if rate is None:
             raise ValueError(f"no rate known for tier {tier!r}")
         options = [
-            Option("recompute", 0, prompt_tokens / tps, f"prefill {prompt_tokens} tokens at {tps:,.0f} tok/s"),
+            Option(
+                "recompute",
+                0,
+                prompt_tokens / tps,
+                f"prefill {prompt_tokens} tokens at {tps:,.0f} tok/s",
+            ),
         ]
         if resident_tokens > 0:
             rest = prompt_tokens - resident_tokens
@@ -113,7 +131,9 @@ class Planner:
             )
         best = min(options, key=lambda o: (o.est_seconds, o.action != "fork"))
         others = "; ".join(
-            f"{o.action} {o.est_seconds * 1e3:.1f} ms ({o.detail})" for o in options if o is not best
+            f"{o.action} {o.est_seconds * 1e3:.1f} ms ({o.detail})"
+            for o in options
+            if o is not best
         )
         reason = f"{best.action}: est. {best.est_seconds * 1e3:.1f} ms ({best.detail})" + (
             f"; beats {others}" if others else ""

@@ -28,7 +28,7 @@ import logging
 import math
 import threading
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -57,7 +57,14 @@ class _Route:
     # Unvalued routes are worth nothing, so eviction among them is plain LRU.
     reuse: float = 0.0
     cost: float = 1.0
+    # Live demand for the route's prefix (summed priority of the workers that declared it).
+    demand: float = 0.0
     last_used: int = 0
+
+    @property
+    def value(self) -> float:
+        """What evicting the route loses: (reuse likelihood + demand) x tokens x cost per token."""
+        return (self.reuse + self.demand) * self.length * self.cost
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +139,17 @@ class Lease:
 
     def __repr__(self) -> str:
         return f"Lease(route={self.route}, length={self.length}, pages={self.pages})"
+
+
+def page_spans(start: int, end: int, page_size: int) -> Iterator[tuple[int, int, int, int]]:
+    """Cut positions `[start, end)` at page boundaries: `(table index, first slot, count,
+    offset from start)` per piece, the one loop every copy into or out of pages runs."""
+    pos = start
+    while pos < end:
+        idx, slot = divmod(pos, page_size)
+        take = min(page_size - slot, end - pos)
+        yield idx, slot, take, pos - start
+        pos += take
 
 
 def _check_range(start: int, end: int | None, length: int) -> tuple[int, int]:
@@ -412,10 +430,19 @@ class PagePool:
             r.reuse = reuse
             r.cost = cost
 
+    def set_demand(self, route: int, demand: float) -> None:
+        """The live demand for the route's prefix (>= 0; the catalog's `demand`), added to its
+        reuse likelihood in the eviction value: a demanded route outlives an undemanded one."""
+        value = float(demand)
+        if not (math.isfinite(value) and value >= 0.0):
+            raise ValueError(f"demand must be finite and >= 0, got {demand!r}")
+        with self._lock:
+            self._get(route).demand = value
+
     def evict(self, pages_needed: int) -> list[int]:
         """Release whole routes, lowest value per freed page first, until `pages_needed` pages are freed.
 
-        Value = reuse likelihood x tokens x recompute cost per token; a page
+        Value = (reuse likelihood + demand) x tokens x recompute cost per token; a page
         another holder keeps frees nothing; ties go to the least recently used.
         Pinned, leased, protected and not-yet-durable routes are never touched.
         Returns the evicted route ids in order; raises `PoolExhaustedError`
@@ -453,7 +480,7 @@ class PagePool:
             for rid, r in cands.items():
                 frees = sum(1 for p in r.pages if rc[p] == 1)
                 if frees:
-                    key = (r.reuse * r.length * r.cost / frees, r.last_used, rid)
+                    key = (r.value / frees, r.last_used, rid)
                     if best is None or key < best:
                         best = key
             if best is None:
@@ -463,7 +490,7 @@ class PagePool:
                 held = Counter(p for r in cands.values() for p in r.pages)
                 for rid, r in cands.items():
                     if any(rc[p] == held[p] for p in r.pages):
-                        key = (r.reuse * r.length * r.cost, r.last_used, rid)
+                        key = (r.value, r.last_used, rid)
                         if best is None or key < best:
                             best = key
             if best is None:
@@ -493,6 +520,16 @@ class PagePool:
             pages = [self._alloc() for _ in range(n)]
             self._reserved.update(pages)
             return pages
+
+    def write_pages(self, pages: Sequence[int], start: int, kv: np.ndarray[Any, Any]) -> None:
+        """Copy `kv` (`[L, 2, T, H, D]`, a blob payload's layout) to positions `[start, start + T)`
+        of the page table `pages`, which must be pages the caller holds alone (reserved ones).
+
+        Plain slice copies page by page into the layer-major pool: no fancy indexing, no lock.
+        """
+        dst = self._kv
+        for idx, slot, take, s in page_spans(start, start + kv.shape[2], self._page_size):
+            dst[:, :, pages[idx], slot : slot + take] = kv[:, :, s : s + take]
 
     def attach(
         self, route: int, pages: Iterable[int], length: int, *, durable: bool = True
@@ -648,16 +685,10 @@ class PagePool:
     def _copy_in(
         self, pages: list[int], start: int, k: np.ndarray[Any, Any], v: np.ndarray[Any, Any]
     ) -> None:
-        ps = self._page_size
         kv = self._kv
-        pos, end = start, start + k.shape[1]
-        while pos < end:
-            idx, slot = divmod(pos, ps)
-            take = min(ps - slot, end - pos)
-            s = pos - start
+        for idx, slot, take, s in page_spans(start, start + k.shape[1], self._page_size):
             kv[:, 0, pages[idx], slot : slot + take] = k[:, s : s + take]
             kv[:, 1, pages[idx], slot : slot + take] = v[:, s : s + take]
-            pos += take
 
     def _copy_out(
         self, pages: list[int] | tuple[int, ...], start: int, end: int
@@ -672,13 +703,7 @@ class PagePool:
         out = np.empty(
             (lay.num_layers, 2, end - start, lay.num_kv_heads, lay.head_dim), dtype=self._dtype
         )
-        ps = self._page_size
         kv = self._kv
-        pos = start
-        while pos < end:
-            idx, slot = divmod(pos, ps)
-            take = min(ps - slot, end - pos)
-            s = pos - start
+        for idx, slot, take, s in page_spans(start, end, self._page_size):
             out[:, :, s : s + take] = kv[:, :, pages[idx], slot : slot + take]
-            pos += take
         return out

@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 
 from catalog import AttentionLayout, Fingerprint, fingerprint_hex
-from catalog.catalog import Catalog
+from catalog.base import CatalogAPI
 from catalog.identity import token_array
-from catalog.models import ChunkMatch, Match, ReplicaInfo, Shard
+from catalog.models import TIERS, ChunkMatch, Match, ReplicaInfo, ReplicaState, Shard, Tier
 from chunkstore import ChunkStore
 from chunkstore.errors import ChunkIntegrityError, ChunkStoreError
 from chunkstore.record import DecodedChunk, decode_chunk
@@ -73,7 +73,7 @@ class Restorer:
 
     def __init__(
         self,
-        catalog: Catalog,
+        catalog: CatalogAPI,
         stores: Iterable[ChunkStore],
         namespace: str = "default",
         *,
@@ -89,7 +89,9 @@ class Restorer:
         self.max_parallel = max_parallel
         self.byte_budget = byte_budget
         self.actor = actor
-        self._executor = ThreadPoolExecutor(max_workers=max_parallel, thread_name_prefix="kvc-restore")
+        self._executor = ThreadPoolExecutor(
+            max_workers=max_parallel, thread_name_prefix="kvc-restore"
+        )
         self._tier_rates: dict[str, float] = {}
         self._rate_lock = threading.Lock()
 
@@ -117,11 +119,15 @@ class Restorer:
         *,
         max_tokens: int | None = None,
         cancel: threading.Event | None = None,
+        match: Match | None = None,
     ) -> RestoreResult:
-        """Restore the longest verified stored prefix of `tokens` into a new route of `pool`."""
+        """Restore the longest verified stored prefix of `tokens` into a new route of `pool`.
+
+        `match`: this lookup of `tokens` (a planner's), instead of looking them up again.
+        """
         dest = PoolDestination(pool)
         result = self.restore_into(
-            dest, tokens, fingerprint, shard, max_tokens=max_tokens, cancel=cancel
+            dest, tokens, fingerprint, shard, max_tokens=max_tokens, cancel=cancel, match=match
         )
         result.route = dest.route
         return result
@@ -135,18 +141,23 @@ class Restorer:
         *,
         max_tokens: int | None = None,
         cancel: threading.Event | None = None,
+        match: Match | None = None,
     ) -> RestoreResult:
         """Restore the longest verified stored prefix of `tokens` into any `Destination`.
 
         The destination is committed with the number of verified positions, or
-        aborted (on a miss, when nothing verified, or on any error).
+        aborted (on a miss, when nothing verified, or on any error). `match`:
+        as for `restore`.
         """
         t0 = time.perf_counter()
         tok = token_array(tokens)
         fp_hex = fingerprint_hex(fingerprint)
         shard = shard or self.shard
         report = RestoreReport()
-        match = self.catalog.lookup(self.namespace, fp_hex, tok, shard=shard, max_tokens=max_tokens)
+        if match is None:
+            match = self.catalog.lookup(
+                self.namespace, fp_hex, tok, shard=shard, max_tokens=max_tokens
+            )
         report.seconds["lookup"] = time.perf_counter() - t0
         if not match.hit:
             return RestoreResult(None, 0, 0, len(tok), match, report)
@@ -246,11 +257,33 @@ class Restorer:
                     f.result()
         pending.clear()
 
+    def readable_prefix(self, match: Match) -> tuple[int, int, Tier | None]:
+        """What a restore of `match` can fetch before verifying anything: `(tokens, stored
+        bytes, slowest tier)` of its leading chunks that have a replica in a store this
+        restorer reads (the tier of the replica it would try first), for a planner."""
+        tokens = nbytes = 0
+        slowest: Tier | None = None
+        for c in match.chunks:
+            order = self._replica_order(c)
+            if not order:
+                break
+            tier = order[0][0].tier
+            if slowest is None or TIERS.index(tier) > TIERS.index(slowest):
+                slowest = tier
+            tokens = c.token_start + c.tokens_used
+            nbytes += c.stored_bytes
+        return tokens, nbytes, slowest
+
     def _replica_order(self, c: ChunkMatch) -> list[tuple[ReplicaInfo, ChunkStore]]:
         return [(r, self.stores[r.location]) for r in c.replicas if r.location in self.stores]
 
     def _fetch_verified(
-        self, c: ChunkMatch, tok: np.ndarray[Any, Any], fp_hex: str, shard: Shard, report: RestoreReport
+        self,
+        c: ChunkMatch,
+        tok: np.ndarray[Any, Any],
+        fp_hex: str,
+        shard: Shard,
+        report: RestoreReport,
     ) -> tuple[DecodedChunk, str, float]:
         candidates = self._replica_order(c)
         if not candidates:
@@ -288,16 +321,30 @@ class Restorer:
         try:
             decoded = decode_chunk(store.get(c.blob_key), expected_key=c.blob_key)
         except ChunkIntegrityError:
-            log.warning("blob %s from %s failed verification; reading it again", c.blob_key, store.name)
+            log.warning(
+                "blob %s from %s failed verification; reading it again", c.blob_key, store.name
+            )
             decoded = decode_chunk(store.get(c.blob_key), expected_key=c.blob_key)
         self._check_header(decoded, c, tok, fp_hex, shard)
         return decoded
 
-    def _mark(self, c: ChunkMatch, replica: ReplicaInfo, state: str, why: str, report: RestoreReport) -> None:
+    def _mark(
+        self,
+        c: ChunkMatch,
+        replica: ReplicaInfo,
+        state: ReplicaState,
+        why: str,
+        report: RestoreReport,
+    ) -> None:
         report.failures.append(f"{c.blob_key[:16]} at {replica.location}: {state}: {why[:200]}")
         log.warning("replica %s of %s is %s: %s", replica.location, c.blob_key, state, why[:200])
         self.catalog.mark_replica(
-            c.blob_key, replica.location, state, reason=why[:500], namespace=self.namespace, actor=self.actor
+            c.blob_key,
+            replica.location,
+            state,
+            reason=why[:500],
+            namespace=self.namespace,
+            actor=self.actor,
         )
 
     @staticmethod
@@ -313,10 +360,14 @@ class Restorer:
         if h.token_start != c.token_start or len(h.tokens) != c.token_count:
             problems.append("token range")
         elif not np.array_equal(
-            np.asarray(h.tokens[: c.tokens_used], dtype=np.uint32), tok[c.token_start : c.token_start + c.tokens_used]
+            np.asarray(h.tokens[: c.tokens_used], dtype=np.uint32),
+            tok[c.token_start : c.token_start + c.tokens_used],
         ):
             problems.append("token ids")
-        if tuple(h.layers) != (shard.layer_lo, shard.layer_hi) or tuple(h.kv_heads) != (shard.head_lo, shard.head_hi):
+        if tuple(h.layers) != (shard.layer_lo, shard.layer_hi) or tuple(h.kv_heads) != (
+            shard.head_lo,
+            shard.head_hi,
+        ):
             problems.append("shard")
         if decoded.kv.shape[2] != c.token_count:
             problems.append("shape")

@@ -51,7 +51,9 @@ def load(model_dir: str, dtype: str, attn: str = "sdpa") -> PreTrainedModel:
 
 def tensor_digest(t: torch.Tensor) -> str:
     """blake3 of a tensor's bytes (bit patterns, so bfloat16 compares exactly)."""
-    return blake3.blake3(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()).hexdigest()
+    return blake3.blake3(
+        t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    ).hexdigest()
 
 
 def cache_digests(cache: DynamicCache) -> list[list[str] | None]:
@@ -91,9 +93,7 @@ def main() -> None:
     model = load(args["model_dir"], args["dtype"])
     remote = args.get("remote")
     cat: CatalogAPI = (
-        RemoteCatalog(remote["url"], remote["token"])
-        if remote
-        else Catalog.open(args["catalog"])
+        RemoteCatalog(remote["url"], remote["token"]) if remote else Catalog.open(args["catalog"])
     )
     stores = [open_store(u) for u in args["stores"]]
     prompt = args["prompt"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from chunkstore import ChunkStore, Receipt
+from chunkstore import ChunkStore, Receipt, Tier
 from chunkstore.base import BlobStat
 
 
@@ -18,6 +18,10 @@ class Delegating(ChunkStore):
     @property
     def name(self) -> str:
         return self.inner.name
+
+    @property
+    def tier(self) -> Tier:
+        return self.inner.tier
 
     def put(self, key: str, data: Any) -> Receipt:
         return self.inner.put(key, data)

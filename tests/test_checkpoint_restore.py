@@ -135,7 +135,10 @@ def test_submit_is_bounded_and_never_blocks(cat: Catalog, local: ChunkStore) -> 
 def test_write_behind_records_the_object_replica_after_its_receipt(
     cat: Catalog, local: ChunkStore, tmp_path: Path
 ) -> None:
-    remote = Gate(open_store(f"file://{tmp_path / 'remote'}"), "s3://bucket/kvc?endpoint_url=http://x&region=r")
+    remote = Gate(
+        open_store(f"file://{tmp_path / 'remote'}?tier=object"),
+        "s3://bucket/kvc?endpoint_url=http://x&region=r",
+    )
     remote.put_gate.clear()
     pool, route, t = computed(64)
     cp = Checkpointer(cat, local, chunk_size=CHUNK, write_behind=remote)
@@ -186,7 +189,10 @@ def test_write_behind_replicas_are_recorded_when_uploads_finish_before_the_publi
                 done.set()
             return r
 
-    remote = Counting(open_store(f"file://{tmp_path / 'remote'}"), "s3://bucket/kvc?endpoint_url=http://x&region=r")
+    remote = Counting(
+        open_store(f"file://{tmp_path / 'remote'}?tier=object"),
+        "s3://bucket/kvc?endpoint_url=http://x&region=r",
+    )
     pool, route, t = computed(64)
     with Checkpointer(SlowToRecord(cat, done), local, chunk_size=CHUNK, write_behind=remote) as cp:  # type: ignore[arg-type]
         cp.checkpoint(pool, route, t, MODEL.fingerprint)
@@ -203,9 +209,14 @@ def test_a_failed_publish_records_no_write_behind_replica(
         def record_chunks(self, records: Any, **kw: Any) -> Any:
             raise RuntimeError("database went away")
 
-    remote = Gate(open_store(f"file://{tmp_path / 'remote'}"), "s3://bucket/kvc?endpoint_url=http://x&region=r")
+    remote = Gate(
+        open_store(f"file://{tmp_path / 'remote'}?tier=object"),
+        "s3://bucket/kvc?endpoint_url=http://x&region=r",
+    )
     pool, route, t = computed(64)
-    cp = Checkpointer(Refusing(cat, threading.Event()), local, chunk_size=CHUNK, write_behind=remote)  # type: ignore[arg-type]
+    cp = Checkpointer(
+        Refusing(cat, threading.Event()), local, chunk_size=CHUNK, write_behind=remote
+    )  # type: ignore[arg-type]
     with pytest.raises(RuntimeError, match="went away"):
         cp.checkpoint(pool, route, t, MODEL.fingerprint)
     cp.close()
@@ -292,3 +303,17 @@ def test_report_and_rates(cat: Catalog, local: ChunkStore) -> None:
     rep = res.report
     assert rep.chunks == 4 and rep.replicas_used == {local.name: 4}
     assert {"lookup", "fetch+verify", "copy", "total"} <= set(rep.seconds)
+
+
+def test_a_directory_declared_object_tier_is_catalogued_as_object(
+    cat: Catalog, tmp_path: Path
+) -> None:
+    # The tier comes from the store's configuration, whatever its kind or name.
+    store = open_store(f"file://{tmp_path / 'nfs'}?tier=object")
+    pool, route, t = computed(40)
+    with Checkpointer(cat, store, chunk_size=CHUNK) as cp:
+        cp.checkpoint(pool, route, t, MODEL.fingerprint)
+    match = cat.lookup("default", MODEL.fingerprint, t)
+    assert match.chunks and {(r.location, r.tier) for c in match.chunks for r in c.replicas} == {
+        (store.name, "object")
+    }

@@ -21,6 +21,7 @@ from catalog.catalog import Catalog
 from chunkstore import ChunkStore, open_store
 from kvc.commands.daemon import register
 from kvc.daemon import Daemon, create_daemon_app
+from kvc.remote import RemoteCatalog
 from restore.engines.reference import ReferenceModel
 from restore.pool import PagePool
 
@@ -468,8 +469,10 @@ def test_a_failing_catalog_call_does_not_stop_the_timer(
     a, client = configured(worker, "A", invalidation_interval=0.02, catalog=cast(Catalog, flaky))
     # The counter moves before the tick logs its warning: wait for both.
     wait_for(
-        lambda: client.get("/v1/stats").json()["invalidation_failures"] == 3
-        and len([r for r in caplog.records if "invalidation check" in r.getMessage()]) == 3,
+        lambda: (
+            client.get("/v1/stats").json()["invalidation_failures"] == 3
+            and len([r for r in caplog.records if "invalidation check" in r.getMessage()]) == 3
+        ),
         "three failed ticks",
     )
     cp = prefill_and_checkpoint(client, PROMPT)
@@ -518,3 +521,203 @@ def test_cli_sets_the_interval_from_flag_environment_and_default(
     assert result.exit_code == 2
     result = runner.invoke(group, base, env={**env, "KVC_DAEMON_INVALIDATION_INTERVAL": "nan"})
     assert result.exit_code == 2 and "daemon_invalidation_interval" in result.output
+
+
+# -- the planner decides each restore ------------------------------------------------------
+
+
+def planned(cat: Catalog, store: ChunkStore, worker_id: str, rate: float) -> Worker:
+    d = Daemon(
+        cat,
+        [store],
+        worker_id=worker_id,
+        namespace="ns",
+        chunk_size=CHUNK,
+        engines=[MODEL],
+        invalidation_interval=0,
+        prefill_tokens_per_s=rate,
+    )
+    client = TestClient(create_daemon_app(d))
+    r = client.post("/v1/configure", json={"fingerprint": "reference", "num_pages": 64})
+    assert r.status_code == 200, r.text
+    return d, client
+
+
+def test_the_planner_leaves_a_prompt_to_recompute_when_prefill_is_faster(
+    worker: Start, cat: Catalog, store: ChunkStore
+) -> None:
+    _, client_a = configured(worker, "A")
+    prefill_and_checkpoint(client_a, PROMPT)
+    b, client_b = planned(cat, store, "B", rate=1e15)
+    try:
+        r = client_b.post("/v1/restore", json={"tokens": PROMPT})
+        assert r.status_code == 200, r.text
+        doc = r.json()
+        assert doc["decision"]["action"] == "recompute"
+        assert (
+            doc["decision"]["reason"].startswith("recompute:")
+            and "beats restore" in doc["decision"]["reason"]
+        )
+        assert (doc["route"], doc["restored_tokens"], doc["recompute_from"]) == (None, 0, 0)
+        # Nothing was restored: no route, no page taken, no resident replica.
+        assert pool_of(b).routes() == [] and pool_of(b).free_pages == 64
+        assert cat.replicas_at("worker:B") == []
+        stats = client_b.get("/v1/stats").json()
+        assert (stats["restores"], stats["restored_bytes"], stats["planned_recomputes"]) == (
+            0,
+            0,
+            1,
+        )
+    finally:
+        b.close()
+
+
+def test_the_planner_restores_when_prefill_is_slower(
+    worker: Start, cat: Catalog, store: ChunkStore
+) -> None:
+    _, client_a = configured(worker, "A")
+    prefill_and_checkpoint(client_a, PROMPT)
+    b, client_b = planned(cat, store, "B", rate=1e-3)
+    try:
+        doc = client_b.post("/v1/restore", json={"tokens": PROMPT}).json()
+        assert doc["decision"]["action"] == "restore"
+        assert (
+            doc["decision"]["reason"].startswith("restore:")
+            and "from local" in doc["decision"]["reason"]
+        )
+        assert {o["action"] for o in doc["decision"]["options"]} == {"restore", "recompute"}
+        assert doc["restored_tokens"] == len(PROMPT) - 1 and doc["bytes"] > 0
+        assert pool_of(b).routes() == [doc["route"]]
+        assert client_b.get("/v1/stats").json()["restores"] == 1
+    finally:
+        b.close()
+
+
+def test_a_prefix_resident_in_the_pool_is_forked_not_fetched(worker: Start, cat: Catalog) -> None:
+    a, client = configured(worker, "A")
+    cp = prefill_and_checkpoint(client, PROMPT)
+    doc = client.post("/v1/restore", json={"tokens": [*PROMPT, 5]}).json()
+    assert doc["decision"]["action"] == "fork", doc["decision"]
+    assert (doc["restored_tokens"], doc["bytes"], doc["chunks"]) == (len(PROMPT), 0, 0)
+    pool = pool_of(a)
+    # The fork shares the checkpointed route's pages, bit for bit.
+    assert pool.page_table(doc["route"])[:2] == pool.page_table(cp["route"])[:2]
+    assert pool.read(doc["route"])[0].tobytes() == pool.read(cp["route"])[0].tobytes()
+    stats = client.get("/v1/stats").json()
+    assert (stats["planned_forks"], stats["restores"]) == (1, 0)
+    pool.check_invariants()
+
+
+# -- demand ----------------------------------------------------------------------------------
+
+
+def test_the_daemon_declares_demand_for_what_it_holds(worker: Start, cat: Catalog) -> None:
+    _, client_a = configured(worker, "A")
+    cp = prefill_and_checkpoint(client_a, PROMPT)
+    head = bytes.fromhex(cp["head"])
+    assert cat.demand("ns", [head]) == {head: 1.0}
+    _, client_b = configured(worker, "B")
+    assert client_b.post("/v1/restore", json={"tokens": PROMPT}).status_code == 200
+    # B restored the three whole chunks: it demands the third, A the tail after it.
+    third = cat.lookup("ns", MODEL.fingerprint, PROMPT).chunks[2].prefix_hash
+    assert cat.demand("ns", [head, third]) == {head: 1.0, third: 1.0}
+
+
+def test_a_demanded_route_outlives_an_undemanded_one_of_the_same_age(
+    worker: Start, cat: Catalog
+) -> None:
+    d, client = configured(worker, "A")
+    first = prefill_and_checkpoint(client, PROMPT[: 2 * CHUNK])
+    other = [(t + 1) % MODEL.vocab_size for t in PROMPT[: 2 * CHUNK]]
+    demanded = prefill_and_checkpoint(client, other)
+    pool = pool_of(d)
+    # Both are durable and equally demanded (by this worker): eviction is LRU, the older goes.
+    assert pool.evict(1) == [first["route"]]
+
+    undemanded = prefill_and_checkpoint(client, PROMPT[: 2 * CHUNK])
+    assert pool.routes() == [demanded["route"], undemanded["route"]]
+    # Another worker needs the now older prefix: the next sync reads its demand into the pool.
+    cat.declare_demand("B", "ns", bytes.fromhex(demanded["head"]), priority=3.0)
+    assert client.post("/v1/refresh").status_code == 200
+    assert pool.evict(1) == [undemanded["route"]]
+    assert pool.routes() == [demanded["route"]]
+
+
+# -- KVC_SERVICE_URL: the daemon on a `kvc serve` service instead of a database ---------------
+
+SERVICE_TOKEN = "daemon-service-token-5d1f"
+
+
+@pytest.fixture
+def service_url(cat: Catalog) -> Iterator[str]:
+    from kvc.service import create_app, hash_token
+    from tests.services import serve_in_thread
+
+    with serve_in_thread(
+        create_app(cat, {"ns": hash_token(SERVICE_TOKEN)}, max_prompt_tokens=4096)
+    ) as url:
+        yield url
+
+
+def service_env(tmp_path: Path, url: str) -> dict[str, str]:
+    return {
+        "KVC_HOME": str(tmp_path / "home"),
+        "KVC_CONFIG": str(tmp_path / "absent.toml"),
+        "KVC_STORES": f"file://{tmp_path / 'blobs'}",
+        "KVC_NAMESPACE": "ns",
+        "KVC_SERVICE_URL": url,
+        "KVC_SERVICE_TOKEN": SERVICE_TOKEN,
+    }
+
+
+def test_cli_opens_the_service_named_by_kvc_service_url_instead_of_a_database(
+    tmp_path: Path, service_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvc.daemon
+
+    seen: list[Any] = []
+
+    class Recorder:
+        def __init__(self, catalog: Any, stores: Any, **kwargs: Any) -> None:
+            # A real round trip: the service answers for the namespace the token opens.
+            seen.append((catalog, catalog.namespace_chunk_size("ns"), kwargs["namespace"]))
+            raise ValueError("recorded")
+
+    monkeypatch.setattr(kvc.daemon, "Daemon", Recorder)
+    group = click.Group("kvc")
+    register(group)
+    env = service_env(tmp_path, service_url)
+    result = CliRunner().invoke(group, ["daemon", "--worker-id", "svc", "--json"], env=env)
+    assert result.exit_code == 2 and "recorded" in result.output
+    [(catalog, _, namespace)] = seen
+    assert isinstance(catalog, RemoteCatalog) and catalog.base_url == service_url
+    assert namespace == "ns"
+    assert not (tmp_path / "home" / "catalog.db").exists()  # no database was opened
+
+    del env["KVC_SERVICE_TOKEN"]
+    result = CliRunner().invoke(group, ["daemon", "--worker-id", "svc"], env=env)
+    assert result.exit_code == 2 and "KVC_SERVICE_TOKEN" in result.output
+
+
+def test_a_daemon_on_the_service_checkpoints_and_restores(
+    tmp_path: Path, service_url: str, cat: Catalog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[Any] = []
+
+    def serve(app: Any, **kwargs: Any) -> None:
+        client = TestClient(app)
+        r = client.post("/v1/configure", json={"fingerprint": "reference", "num_pages": 64})
+        assert r.status_code == 200, r.text
+        cp = prefill_and_checkpoint(client, PROMPT)
+        seen.append((cp, client.post("/v1/restore", json={"tokens": PROMPT}).json()))
+
+    monkeypatch.setattr(uvicorn, "run", serve)
+    group = click.Group("kvc")
+    register(group)
+    env = {**service_env(tmp_path, service_url), "KVC_CHUNK_SIZE": str(CHUNK)}
+    result = CliRunner().invoke(group, ["daemon", "--worker-id", "svc", "--json"], env=env)
+    assert result.exit_code == 0, result.output
+    [(cp, restored)] = seen
+    assert cp["new_chunks"] == 4 and restored["decision"]["action"] == "fork"
+    # The service's database holds what the daemon published.
+    assert len(cat.lookup("ns", MODEL.fingerprint, PROMPT).chunks) == 4

@@ -17,7 +17,17 @@ def _kvc(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_demo_json_on_a_fresh_home(tmp_path: Path) -> None:
-    out = _kvc("demo", "--json", "--sessions", "2", "--system-tokens", "300", "--new-tokens", "3", home=tmp_path / "h")
+    out = _kvc(
+        "demo",
+        "--json",
+        "--sessions",
+        "2",
+        "--system-tokens",
+        "300",
+        "--new-tokens",
+        "3",
+        home=tmp_path / "h",
+    )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)  # stdout carries only the JSON document
     assert doc["exact"] is True
@@ -58,8 +68,18 @@ def test_demo_on_a_given_checkpoint_directory(tmp_path: Path) -> None:
 
     model = save_random_model(tmp_path / "qwen", "qwen2", **CONFIGS["qwen2"])
     out = _kvc(
-        "demo", "--engine", "hf", "--model", str(model), "--sessions", "1",
-        "--system-tokens", "100", "--new-tokens", "2", home=tmp_path / "h",
+        "demo",
+        "--engine",
+        "hf",
+        "--model",
+        str(model),
+        "--sessions",
+        "1",
+        "--system-tokens",
+        "100",
+        "--new-tokens",
+        "2",
+        home=tmp_path / "h",
     )
     assert out.returncode == 0, out.stderr
     assert "kvc demo (transformers Qwen2ForCausalLM)" in out.stdout
@@ -71,7 +91,10 @@ def test_demo_model_errors_are_one_line(tmp_path: Path) -> None:
     assert wrong.returncode == 2 and "--model needs --engine hf" in wrong.stderr
     missing = _kvc("demo", "--engine", "hf", "--model", str(tmp_path / "nope"), home=tmp_path / "h")
     assert missing.returncode == 1, missing.stderr
-    assert missing.stderr.startswith("kvc: error: cannot load model") and "Traceback" not in missing.stderr
+    assert (
+        missing.stderr.startswith("kvc: error: cannot load model")
+        and "Traceback" not in missing.stderr
+    )
 
 
 def test_demo_hf_without_torch_says_what_to_install(tmp_path: Path) -> None:
@@ -83,6 +106,10 @@ def test_demo_hf_without_torch_says_what_to_install(tmp_path: Path) -> None:
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVC_")}
     env["KVC_HOME"] = str(tmp_path / "h")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
     assert out.returncode == 2
-    assert out.stderr.startswith("kvc: error: --engine hf needs torch and transformers: pip install 'kvc[hf]'")
+    assert out.stderr.startswith(
+        "kvc: error: --engine hf needs torch and transformers: pip install 'kvc[hf]'"
+    )

@@ -50,7 +50,8 @@ def prompt(n: int, seed: int = 1) -> list[int]:
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("models")
     return {
-        arch: str(save_random_model(root / arch, arch, seed=7, **cfg)) for arch, cfg in CONFIGS.items()
+        arch: str(save_random_model(root / arch, arch, seed=7, **cfg))
+        for arch, cfg in CONFIGS.items()
     }
 
 
@@ -115,7 +116,9 @@ CASES = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("arch", "dtype", "catalog_kind", "store_kind"), CASES, ids=["-".join(c) for c in CASES])
+@pytest.mark.parametrize(
+    ("arch", "dtype", "catalog_kind", "store_kind"), CASES, ids=["-".join(c) for c in CASES]
+)
 def test_resume_in_a_new_process_is_bit_identical(
     request: pytest.FixtureRequest,
     model_dirs: dict[str, str],
@@ -151,7 +154,9 @@ def test_resume_in_a_new_process_is_bit_identical(
         "new_tokens": NEW_TOKENS,
     }
     try:
-        with serve_in_thread(create_app(cat, {"default": hash_token(TOKEN)}, max_prompt_tokens=4096)) as url:
+        with serve_in_thread(
+            create_app(cat, {"default": hash_token(TOKEN)}, max_prompt_tokens=4096)
+        ) as url:
             writer: CatalogAPI = RemoteCatalog(url, TOKEN) if catalog_kind == "remote" else cat
             cache = prefill(model, p[:split])
             with HFAdapter(model, writer, stores, chunk_size=CHUNK) as kv:
@@ -181,7 +186,9 @@ def test_resume_in_a_new_process_is_bit_identical(
         ref = cat.get_ref("default", "chat-1")
         assert ref.processed == split and ref.pending_token == p[split]
         if store_kind == "local+s3":
-            tiers = {r.tier for c in cat.lookup("default", kv.fingerprint, p).chunks for r in c.replicas}
+            tiers = {
+                r.tier for c in cat.lookup("default", kv.fingerprint, p).chunks for r in c.replicas
+            }
             assert tiers == {"local", "object"}
     finally:
         for s in stores:
@@ -260,7 +267,9 @@ def test_restore_never_covers_the_last_prompt_token_and_misses_return_an_empty_c
     with adapter(llama, env) as kv:
         empty, n = kv.restore(p)
         assert n == 0 and isinstance(empty, DynamicCache) and empty.get_seq_length() == 0
-        assert generate(llama, p, empty, 4) == generate(llama, p, DynamicCache(config=llama.config), 4)
+        assert generate(llama, p, empty, 4) == generate(
+            llama, p, DynamicCache(config=llama.config), 4
+        )
         kv.checkpoint(p, prefill(llama, p))  # the cache holds every prompt token
         cache, n = kv.restore(p)
         assert n == 39 and cache.get_seq_length() == 39
@@ -306,7 +315,12 @@ def test_checkpoint_stores_what_the_cache_holds_and_the_pending_token(
         again = kv.checkpoint(p, prefill(llama, p[:50]), name="c")
         assert again.tokens == 50 and again.skipped_chunks == 1 and again.new_chunks == 3
         with torch.no_grad():
-            out = llama.generate(torch.tensor([p]), cache=(gen := prefill(llama, p[:50])), max_new_tokens=3, do_sample=False)
+            out = llama.generate(
+                torch.tensor([p]),
+                cache=(gen := prefill(llama, p[:50])),
+                max_new_tokens=3,
+                do_sample=False,
+            )
         # After generate the cache holds all but the last generated token: that one is pending.
         last = kv.checkpoint(out, gen, name="c")
         assert last.tokens == out.shape[1] - 1
@@ -334,7 +348,9 @@ def test_models_that_differ_in_weights_attention_or_dtype_share_nothing(
             assert kv.fingerprint != model_fingerprint(base), what
             assert kv.restore(p)[1] == 0, what
     # The same weights under an immutable revision id: the id, not the bytes, identifies them.
-    assert model_fingerprint(base, weights_id="rev-1") == model_fingerprint(other_weights, weights_id="rev-1")
+    assert model_fingerprint(base, weights_id="rev-1") == model_fingerprint(
+        other_weights, weights_id="rev-1"
+    )
     assert model_fingerprint(base, weights_id="rev-1") != model_fingerprint(base)
 
 
@@ -404,7 +420,9 @@ def test_models_with_sliding_or_hybrid_layers_are_refused_by_name(
     tmp_path: Path, env: Env, model_type: str, fields: dict[str, Any], named: str
 ) -> None:
     cfg = {k: v for k, v in CONFIGS["llama"].items()} | fields
-    model = load(str(save_random_model(tmp_path / model_type, model_type, **cfg)), "float32", attn="eager")
+    model = load(
+        str(save_random_model(tmp_path / model_type, model_type, **cfg)), "float32", attn="eager"
+    )
     with pytest.raises(UnsupportedModelError, match=named):
         adapter(model, env)
 

@@ -451,6 +451,21 @@ def test_eviction_breaks_ties_by_least_recent_use() -> None:
     assert pool.routes() == [a]
 
 
+def test_demand_adds_to_the_eviction_value_so_a_demanded_route_outlives_an_older_one() -> None:
+    pool = _pool(num_pages=12)
+    a, b, c = (_durable(pool, 4, s) for s in range(3))
+    pool.set_demand(a, 2.0)  # the least recently used, but needed elsewhere
+    pool.set_value(b, 0.5, 1.0)  # 0.5 * 4 < c's (0 + 1.0) * 4 < a's 2.0 * 4
+    pool.set_demand(c, 1.0)
+    assert pool.evict(2) == [b, c]
+    assert pool.routes() == [a]
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="demand"):
+            pool.set_demand(a, bad)
+    with pytest.raises(UnknownRouteError):
+        pool.set_demand(b, 1.0)
+
+
 def test_eviction_value_counts_only_pages_it_would_free() -> None:
     pool = _pool(num_pages=12)
     parent = _durable(pool, 8)

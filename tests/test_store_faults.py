@@ -82,8 +82,10 @@ def test_writer_killed_mid_put_leaves_no_visible_blob(tmp_path: Path, stage: str
     marker = tmp_path / "marker"
     child = subprocess.Popen([sys.executable, "-c", _CHILD, str(root), str(marker), stage])
     try:
-        wait_for(lambda: (marker.exists() and marker.stat().st_size == 64) or child.poll() is not None,
-                 "the writer to reach its kill point")
+        wait_for(
+            lambda: (marker.exists() and marker.stat().st_size == 64) or child.poll() is not None,
+            "the writer to reach its kill point",
+        )
         assert child.poll() is None, f"writer exited early with {child.returncode}"
         key = marker.read_text()
         shard = root / key[:2] / key[2:4]
@@ -191,7 +193,9 @@ def test_transient_get_failures_are_retried(s3_store: S3Store, fault: str) -> No
 
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))
-def test_persistent_put_failure_is_unavailable_after_all_attempts(s3_store: S3Store, fault: str) -> None:
+def test_persistent_put_failure_is_unavailable_after_all_attempts(
+    s3_store: S3Store, fault: str
+) -> None:
     attempts = inject(s3_store, "PutObject", fault, times=10**6)
     key, data = make_blob()
     with pytest.raises(StoreUnavailableError) as info:
@@ -204,7 +208,9 @@ def test_persistent_put_failure_is_unavailable_after_all_attempts(s3_store: S3St
 
 
 @pytest.mark.parametrize("fault", sorted(FAULTS))
-def test_persistent_read_failures_are_unavailable_not_missing(s3_store: S3Store, fault: str) -> None:
+def test_persistent_read_failures_are_unavailable_not_missing(
+    s3_store: S3Store, fault: str
+) -> None:
     key, data = make_blob()
     s3_store.put(key, data)
     gets = inject(s3_store, "GetObject", fault, times=10**6)

@@ -83,7 +83,9 @@ class LocalBackend(Backend):
 
     def raw_names(self) -> list[str]:
         return sorted(
-            str(Path(d, f).relative_to(self.root)) for d, _, files in os.walk(self.root) for f in files
+            str(Path(d, f).relative_to(self.root))
+            for d, _, files in os.walk(self.root)
+            for f in files
         )
 
     def overwrite(self, key: str, data: bytes) -> None:
@@ -243,7 +245,9 @@ class StoreConformance:
         assert store.stat(key).size == len(data)
         assert list(store.keys()) == [key]
 
-    def test_concurrent_puts_of_one_key_make_one_blob(self, store: ChunkStore, backend: Backend) -> None:
+    def test_concurrent_puts_of_one_key_make_one_blob(
+        self, store: ChunkStore, backend: Backend
+    ) -> None:
         key, data = make_blob(1 * MiB)
         barrier = threading.Barrier(8)
         receipts: list[object] = []
@@ -277,7 +281,9 @@ class StoreConformance:
         assert not store.exists(key)
 
     @pytest.mark.parametrize("bad", BAD_KEYS, ids=repr)
-    def test_invalid_keys_are_rejected_by_every_method(self, store: ChunkStore, bad: object) -> None:
+    def test_invalid_keys_are_rejected_by_every_method(
+        self, store: ChunkStore, bad: object
+    ) -> None:
         calls: list[Callable[[Any], object]] = [
             lambda k: store.put(k, b"data"),
             store.get,
@@ -290,7 +296,9 @@ class StoreConformance:
             with pytest.raises(InvalidKeyError):
                 call(bad)
 
-    def test_data_not_matching_its_key_is_refused(self, store: ChunkStore, backend: Backend) -> None:
+    def test_data_not_matching_its_key_is_refused(
+        self, store: ChunkStore, backend: Backend
+    ) -> None:
         key, _ = make_blob()
         _, other = make_blob()
         with pytest.raises(ChunkIntegrityError, match=key):
@@ -333,10 +341,15 @@ class StoreConformance:
         # The receipt of an already-stored blob describes the same bytes.
         again = store.put(key, data)
         assert (again.store, again.key, again.size, again.etag) == (
-            receipt.store, receipt.key, receipt.size, receipt.etag,
+            receipt.store,
+            receipt.key,
+            receipt.size,
+            receipt.etag,
         )
 
-    def test_corrupted_blob_is_detected_by_decode_chunk(self, store: ChunkStore, backend: Backend) -> None:
+    def test_corrupted_blob_is_detected_by_decode_chunk(
+        self, store: ChunkStore, backend: Backend
+    ) -> None:
         from chunkstore.record import decode_chunk, encode_chunk
 
         rng = np.random.default_rng(7)
@@ -387,7 +400,9 @@ class StoreConformance:
         assert store.stat(key).mtime > datetime.now(UTC) - timedelta(minutes=5)
         assert bytes(store.get(key)) == data
 
-    def test_putting_an_old_blob_again_refreshes_it(self, store: ChunkStore, backend: Backend) -> None:
+    def test_putting_an_old_blob_again_refreshes_it(
+        self, store: ChunkStore, backend: Backend
+    ) -> None:
         # GC's grace period counts from the mtime: a publish reusing old bytes must renew it.
         key, data = make_blob()
         store.put(key, data)
@@ -408,7 +423,9 @@ class TestLocalStore(StoreConformance):
 class TestS3StoreOnSeaweedFS(StoreConformance):
     @pytest.fixture
     def backend(self, s3_url: str, s3_server: S3Server) -> Backend:
-        client = boto3.client("s3", endpoint_url=s3_server.endpoint_url, region_name=s3_server.region)
+        client = boto3.client(
+            "s3", endpoint_url=s3_server.endpoint_url, region_name=s3_server.region
+        )
         prefix = s3_url.split("?")[0].removeprefix(f"s3://{s3_server.bucket}/")
         return S3Backend(s3_url, client, s3_server.bucket, prefix)
 
@@ -424,14 +441,18 @@ class TestS3StoreOnMoto(StoreConformance):
 # -- S3 only ---------------------------------------------------------------
 
 
-def test_s3_wrong_object_under_a_content_address_is_an_integrity_error(moto_bucket: tuple[Any, str]) -> None:
+def test_s3_wrong_object_under_a_content_address_is_an_integrity_error(
+    moto_bucket: tuple[Any, str],
+) -> None:
     client, bucket = moto_bucket
     key, data = make_blob()
     with open_store(f"s3://{bucket}/p?region={MOTO_REGION}") as store:
         client.put_object(Bucket=bucket, Key=f"p/{key}", Body=data[:-1])  # wrong size
         with pytest.raises(ChunkIntegrityError, match=key):
             store.put(key, data)
-        client.put_object(Bucket=bucket, Key=f"p/{key}", Body=data[::-1], ChecksumAlgorithm="SHA256")
+        client.put_object(
+            Bucket=bucket, Key=f"p/{key}", Body=data[::-1], ChecksumAlgorithm="SHA256"
+        )
         with pytest.raises(ChunkIntegrityError, match=key):  # same size, other SHA-256
             store.put(key, data)
 
@@ -559,7 +580,10 @@ def test_s3_url_name_keeps_identity_options_only(monkeypatch: pytest.MonkeyPatch
     )
     with open_store(url, max_concurrency=4) as store:
         assert isinstance(store, S3Store)
-        assert store.name == "s3://kvc-bucket/runs/a?endpoint_url=http://127.0.0.1:9000&region=eu-west-1"
+        assert (
+            store.name
+            == "s3://kvc-bucket/runs/a?endpoint_url=http://127.0.0.1:9000&region=eu-west-1"
+        )
         assert (store.bucket, store.prefix) == ("kvc-bucket", "runs/a")
         assert (store.part_size, store.max_attempts, store.max_concurrency) == (8 * MiB, 3, 4)
         config: Any = store.client.meta.config
@@ -579,6 +603,30 @@ def test_keyword_options_override_the_url(monkeypatch: pytest.MonkeyPatch) -> No
         assert cast(Any, store.client.meta.config).read_timeout == 7
     with pytest.raises(StoreURLError, match="'colour'"):
         open_store("s3://kvc-bucket/p", colour="blue")
+
+
+def test_a_store_declares_its_tier_with_a_per_kind_default(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    moto_env(monkeypatch)
+    with open_store(f"file://{tmp_path / 'a'}") as store:
+        assert store.tier == "local"
+    with open_store(f"file://{tmp_path / 'b'}?tier=object") as store:
+        assert store.tier == "object"
+        # The tier is configuration, not identity: replica rows name the same store.
+        assert store.name == f"file://{tmp_path / 'b'}"
+    with open_store("s3://kvc-bucket/p") as store:
+        assert store.tier == "object"
+    with open_store("s3://kvc-bucket/p?tier=local") as store:
+        assert store.tier == "local"
+    with open_store(f"file://{tmp_path / 'c'}", tier="resident") as store:
+        assert store.tier == "resident"
+
+
+@pytest.mark.parametrize("url", ["file:///tmp/kvc-x?tier=fast", "s3://kvc-bucket?tier=Object"])
+def test_a_bad_tier_is_a_store_url_error_naming_the_tiers(url: str) -> None:
+    with pytest.raises(StoreURLError, match=r"tier .*expected one of resident, local, object"):
+        open_store(url)
 
 
 SECRET = "wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY"

@@ -47,8 +47,14 @@ class Env:
 )
 def env(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Env]:
     db, kind = request.param
-    url = f"sqlite:///{tmp_path / 'catalog.db'}" if db == "sqlite" else request.getfixturevalue("postgres_url")
-    store_url = f"file://{tmp_path / 'blobs'}" if kind == "local" else request.getfixturevalue("s3_url")
+    url = (
+        f"sqlite:///{tmp_path / 'catalog.db'}"
+        if db == "sqlite"
+        else request.getfixturevalue("postgres_url")
+    )
+    store_url = (
+        f"file://{tmp_path / 'blobs'}" if kind == "local" else request.getfixturevalue("s3_url")
+    )
     cat = Catalog.open(url, upgrade=True)
     store = open_store(store_url)
     yield Env(url, store_url, cat, store)
@@ -110,7 +116,11 @@ def test_resume_in_a_new_process_is_bit_identical(env: Env) -> None:
     }
     out = subprocess.run(
         [sys.executable, "-m", "tests.resume_worker", json.dumps(args)],
-        capture_output=True, text=True, timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
@@ -147,7 +157,10 @@ def test_two_forks_of_one_restore_decode_independently(env: Env) -> None:
     assert got_a == straight([*p, 5], 3)
     assert got_b == straight([*p, 9], 3)
     after = pool.read(res.route)
-    assert all(np.array_equal(x.view(np.uint8), y.view(np.uint8)) for x, y in zip(before, after, strict=True))
+    assert all(
+        np.array_equal(x.view(np.uint8), y.view(np.uint8))
+        for x, y in zip(before, after, strict=True)
+    )
     pool.check_invariants()
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import click
 
@@ -62,7 +65,9 @@ def daemon(
     replicas of worker:WORKER_ID. On start it withdraws the resident replicas
     a previous process under the same worker id left behind. Every
     --invalidation-interval seconds it drops the routes holding chunks a
-    quarantine invalidated on this worker. Endpoints: see docs/daemon.md."""
+    quarantine invalidated on this worker. With KVC_SERVICE_URL (and
+    KVC_SERVICE_TOKEN) set it uses that `kvc serve` service as its catalog
+    instead of opening a database. Endpoints: see docs/daemon.md."""
     import uvicorn
 
     from kvc.daemon import Daemon, create_daemon_app
@@ -77,7 +82,7 @@ def daemon(
     )
     stores = open_stores(settings)
     try:
-        with open_catalog(settings, upgrade=settings.uses_embedded_default) as cat:
+        with daemon_catalog(settings) as cat:
             try:
                 d = Daemon(
                     cat,
@@ -113,6 +118,31 @@ def daemon(
     finally:
         for s in stores:
             s.close()
+
+
+@contextmanager
+def daemon_catalog(settings: Settings) -> Iterator[Any]:
+    """The catalog `settings` name: the `kvc serve` service at `service_url` (a
+    `RemoteCatalog` with `service_token`), else the database (`open_catalog`)."""
+    if settings.service_url is None:
+        with open_catalog(settings, upgrade=settings.uses_embedded_default) as cat:
+            yield cat
+        return
+    if not settings.service_token:
+        fail(
+            "KVC_SERVICE_URL is set but KVC_SERVICE_TOKEN is not: the service needs the "
+            f"bearer token of namespace {settings.namespace!r}",
+            EXIT_USAGE,
+        )
+    from kvc.remote import RemoteCatalog
+
+    remote = RemoteCatalog(
+        settings.service_url, settings.service_token, namespace=settings.namespace
+    )
+    try:
+        yield remote
+    finally:
+        remote.close()
 
 
 def register(cli: click.Group) -> None:

@@ -38,7 +38,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from catalog import AttentionLayout, Fingerprint
-from catalog.catalog import Catalog
+from catalog.base import CatalogAPI
 from catalog.identity import DType, canonical_json, token_array
 from catalog.models import Shard
 from chunkstore import ChunkStore
@@ -144,7 +144,11 @@ def check_cache(cache: object) -> list[DynamicLayer]:
 def _full_attention_layers(cache: DynamicCache, owner: str = "the cache") -> list[DynamicLayer]:
     """The cache's layers, if every one is a full-attention `DynamicLayer` (transformers builds
     other kinds for sliding-window, chunked, linear-attention and hybrid layers)."""
-    odd = {i: type(layer).__name__ for i, layer in enumerate(cache.layers) if type(layer) is not DynamicLayer}
+    odd = {
+        i: type(layer).__name__
+        for i, layer in enumerate(cache.layers)
+        if type(layer) is not DynamicLayer
+    }
     if odd:
         listed = ", ".join(f"{i}: {k}" for i, k in list(odd.items())[:6])
         raise UnsupportedModelError(
@@ -335,7 +339,9 @@ class _CacheSnapshot:
         return out
 
 
-def _to_pinned_host(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _to_pinned_host(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]],
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Copy device tensors into one pinned host buffer (asynchronously, then one synchronize)."""
     k0 = pairs[0][0]
     host = torch.empty((len(pairs), 2, *k0.shape), dtype=k0.dtype, pin_memory=True)
@@ -435,7 +441,7 @@ class HFAdapter:
     def __init__(
         self,
         model: PreTrainedModel,
-        catalog: Catalog,
+        catalog: CatalogAPI,
         stores: Sequence[ChunkStore],
         namespace: str = "default",
         chunk_size: int = 256,
@@ -572,7 +578,6 @@ class HFAdapter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
 
 
 # -- models for tests, demos and benchmarks ------------------------------------------------
