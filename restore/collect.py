@@ -38,7 +38,7 @@ from catalog.gc import (
 from chunkstore import ChunkStore
 from chunkstore.errors import BlobNotFoundError
 from restore.errors import GcLockedError, MissingReplicasError
-from restore.progress import Counter, Progress
+from restore.progress import Progress, StageCounter
 from restore.sweep import SweepReport, sweep_orphans
 
 log = logging.getLogger(__name__)
@@ -70,14 +70,14 @@ class PurgeReport:
 
 @dataclass
 class GcRunReport:
-    """What a whole GC run did: the catalog-side purge and the orphan sweep."""
+    """What a whole GC run did: the catalog-side purge (`retention`) and the orphan sweep."""
 
     dry_run: bool
     grace_s: float
     max_age_s: float | None
     max_bytes: int | None
     stores: list[str]
-    purge: PurgeReport
+    retention: PurgeReport
     sweep: SweepReport
 
     def to_dict(self) -> dict[str, Any]:
@@ -87,7 +87,7 @@ class GcRunReport:
             "max_age_s": self.max_age_s,
             "max_bytes": self.max_bytes,
             "stores": list(self.stores),
-            "retention": self.purge.to_dict(),
+            "retention": self.retention.to_dict(),
             "deleted": [o.to_dict() for o in self.sweep.deleted],
             "deleted_bytes": self.sweep.deleted_bytes,
             "kept_catalogued": self.sweep.kept_catalogued,
@@ -141,7 +141,7 @@ def purge(
         # First finish what an interrupted run left `purging`/`deleting` (publishes of
         # those chunks are refused until it is done).
         report.resumed = resume_gc(
-            catalog, delete_blob, actor=actor, progress=Counter(progress, "gc resume")
+            catalog, delete_blob, actor=actor, progress=StageCounter(progress, "gc resume")
         )
     if catalog.namespace_chunk_size(namespace) is None:
         return report
@@ -152,7 +152,7 @@ def purge(
             report.plan,
             delete_blob,
             actor=actor,
-            progress=Counter(progress, "gc purge"),
+            progress=StageCounter(progress, "gc purge"),
         )
     return report
 
@@ -223,6 +223,6 @@ def run_gc(
         max_age_s=max_age_s,
         max_bytes=max_bytes,
         stores=[s.name for s in stores],
-        purge=purged,
+        retention=purged,
         sweep=swept,
     )

@@ -7,10 +7,10 @@ from collections.abc import Callable
 # Called as progress(stage, done, total): `stage` names the phase ("fsck", "gc resume",
 # "gc purge", "gc <store name>"), `done` counts the items handled so far in that phase,
 # `total` is how many there are, or None while a listing or purge is still counting.
-Progress = Callable[[str, int, "int | None"], None]
+Progress = Callable[[str, int, int | None], None]
 
 
-class Counter:
+class StageCounter:
     """Turn per-item increments (catalog.gc's progress) into `Progress` calls for one stage."""
 
     def __init__(self, progress: Progress | None, stage: str, total: int | None = None) -> None:

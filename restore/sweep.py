@@ -22,7 +22,7 @@ from catalog.catalog import Catalog
 from chunkstore import ChunkStore
 from chunkstore.errors import BlobNotFoundError, ChunkStoreError
 from restore.errors import InputError
-from restore.progress import Counter, Progress
+from restore.progress import Progress, StageCounter
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +82,12 @@ def sweep_orphans(
     now = now or datetime.now(UTC)
     report = SweepReport(dry_run=dry_run, grace_s=grace_s)
     for store in stores:
-        _sweep_store(catalog, store, report, now, Counter(progress, f"gc {store.name}"))
+        _sweep_store(catalog, store, report, now, StageCounter(progress, f"gc {store.name}"))
     return report
 
 
 def _sweep_store(
-    catalog: Catalog, store: ChunkStore, report: SweepReport, now: datetime, listed: Counter
+    catalog: Catalog, store: ChunkStore, report: SweepReport, now: datetime, listed: StageCounter
 ) -> None:
     grace = report.grace_s
     # Catalogue first, then list: a blob published meanwhile is young, so it is kept.

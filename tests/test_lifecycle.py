@@ -181,9 +181,9 @@ def test_gc_run_deletes_only_purged_blobs(home: tuple[Home, Catalog, ChunkStore]
     cat.quarantine(NS, bytes.fromhex(chain[2][0]), "bad kernel")
     progress = Calls()
     report = run_gc(cat, [store], NS, progress=progress)
-    assert report.purge.plan is not None and report.purge.result is not None
-    assert {i.blob_key for i in report.purge.plan.items} == {chain[2][1], chain[3][1]}
-    assert report.purge.result.chunks_removed == 2
+    assert report.retention.plan is not None and report.retention.result is not None
+    assert {i.blob_key for i in report.retention.plan.items} == {chain[2][1], chain[3][1]}
+    assert report.retention.result.chunks_removed == 2
     assert not h.blob_path(chain[2][1]).exists() and not h.blob_path(chain[3][1]).exists()
     assert h.blob_path(chain[0][1]).exists() and h.blob_path(chain[1][1]).exists()
     assert report.sweep.deleted == [] and report.sweep.kept_catalogued == 2
@@ -198,8 +198,8 @@ def test_gc_dry_run_changes_nothing(home: tuple[Home, Catalog, ChunkStore]) -> N
     cat.delete_ref(NS, "chat")
     assert acquire_lock(cat, GC_LOCK, "someone else", 600)  # a dry run is not refused
     report = run_gc(cat, [store], NS, max_age_s=0, dry_run=True)
-    assert report.purge.plan is not None and len(report.purge.plan.items) == 4
-    assert report.purge.resumed is None and report.purge.result is None
+    assert report.retention.plan is not None and len(report.retention.plan.items) == 4
+    assert report.retention.resumed is None and report.retention.result is None
     assert all(h.blob_path(k).exists() for _, k in h.chain())
 
 
@@ -219,7 +219,7 @@ def test_gc_run_refuses_while_locked_or_missing(home: tuple[Home, Catalog, Chunk
     assert missing.value.missing == 1
     assert lock_holder(cat, GC_LOCK) is None  # released on the way out
     forced = run_gc(cat, [store], NS, force=True)
-    assert forced.sweep.errors == [] and forced.purge.plan is not None
+    assert forced.sweep.errors == [] and forced.retention.plan is not None
 
 
 def test_gc_run_on_an_unknown_namespace_still_sweeps(
@@ -228,6 +228,6 @@ def test_gc_run_on_an_unknown_namespace_still_sweeps(
     h, cat, store = home
     old = orphan(h, store, b"old bytes", 7200)
     report = run_gc(cat, [store], "nobody")
-    assert report.purge.plan is None
-    assert report.purge.to_dict()["items"] == []
+    assert report.retention.plan is None
+    assert report.retention.to_dict()["items"] == []
     assert [o.blob_key for o in report.sweep.deleted] == [old]

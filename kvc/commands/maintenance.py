@@ -264,7 +264,7 @@ def gc(
 
 def _gc_lines(report: Any, namespace: str) -> list[str]:
     lines: list[str] = []
-    res = report.purge.resumed
+    res = report.retention.resumed
     if res is not None:
         if res.resumed:
             lines.append(
@@ -272,7 +272,7 @@ def _gc_lines(report: Any, namespace: str) -> list[str]:
                 f"{len(res.blobs_deleted)} blob(s) deleted"
             )
         lines += [f"kept bytes {k} at {loc}: {why}" for loc, k, why in res.blobs_kept]
-    plan = report.purge.plan
+    plan = report.retention.plan
     if plan is not None:
         verb = "would purge" if report.dry_run else "purged"
         lines += [
@@ -283,7 +283,7 @@ def _gc_lines(report: Any, namespace: str) -> list[str]:
             f"kept quarantined {h.hex()[:16]}: a ref or demand needs it"
             for h in plan.kept_quarantined
         ]
-        result = report.purge.result
+        result = report.retention.result
         if result is not None:
             lines += [f"kept bytes {k} at {loc}: {why}" for loc, k, why in result.blobs_kept]
         lines.append(
