@@ -30,12 +30,6 @@ from restore.pool import PagePool
 log = logging.getLogger(__name__)
 
 
-def store_tier(store: ChunkStore) -> Tier:
-    """The tier `store` declares in its configuration (`ChunkStore.tier`); kept for callers
-    that predate that property."""
-    return store.tier
-
-
 def write_behind_store(stores: Sequence[ChunkStore]) -> ChunkStore | None:
     """Of the stores after the first, the one that gets write-behind copies: the first object store."""
     return next((s for s in stores if s.tier == "object"), None)

@@ -30,9 +30,9 @@ from catalog.catalog import Catalog
 from catalog.errors import CatalogError, IdentityError, NotFoundError, PublishError
 from catalog.models import ChunkRecord, ReplicaReceipt, Shard
 from chunkstore import ChunkStore
+from chunkstore.base import Tier
 from chunkstore.errors import ChunkStoreError
 from chunkstore.record import ChunkHeader, decode_chunk, read_header
-from restore.checkpoint import store_tier
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def rebuild(
 
     keys = list(store.keys())
     report.blobs = len(keys)
-    tier = store_tier(store)
+    tier = store.tier
     blobs: list[_Blob] = []
     for done, key in enumerate(keys, 1):
         blob = _read(store, key, verify, tier, report)
@@ -174,7 +174,7 @@ def rebuild(
 
 
 def _read(
-    store: ChunkStore, key: str, verify: bool, tier: str, report: RebuildReport
+    store: ChunkStore, key: str, verify: bool, tier: Tier, report: RebuildReport
 ) -> tuple[ChunkHeader, ReplicaReceipt] | None:
     try:
         stat = store.stat(key)
@@ -190,7 +190,7 @@ def _read(
         return None
     receipt = ReplicaReceipt(
         location=store.name,
-        tier=tier,  # type: ignore[arg-type]
+        tier=tier,
         size=stat.size,
         checksum=f"blake3:{key}",
         stored_at=stat.mtime,

@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from kvc.commands.common import EXIT_USAGE, emit, fail, open_catalog, settings_options
-from kvc.commands.inspect import reporting, resolve_prefix, short, when
+from kvc.commands.format import reporting, resolve_prefix, short, when
 from kvc.settings import Settings
 
 
