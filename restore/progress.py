@@ -1,11 +1,11 @@
-"""The progress callback of long lifecycle runs (fsck, the orphan sweep, a GC run)."""
+"""The progress callback of long lifecycle runs (fsck, the orphan sweep, a GC run, rebuild)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 # Called as progress(stage, done, total): `stage` names the phase ("fsck", "gc resume",
-# "gc purge", "gc <store name>"), `done` counts the items handled so far in that phase,
+# "gc purge", "gc <store name>", "rebuild"), `done` counts the items handled so far in that phase,
 # `total` is how many there are, or None while a listing or purge is still counting.
 Progress = Callable[[str, int, int | None], None]
 

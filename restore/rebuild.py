@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,7 @@ from chunkstore import ChunkStore
 from chunkstore.base import Tier
 from chunkstore.errors import ChunkStoreError
 from chunkstore.record import ChunkHeader, decode_chunk, read_header
+from restore.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,7 @@ def rebuild(
     fingerprints: Mapping[str, Fingerprint] | None = None,
     verify: bool = True,
     chunk_size: int | None = None,
-    progress: Callable[[int, int], None] | None = None,
+    progress: Progress | None = None,
     actor: str | None = "rebuild",
 ) -> RebuildReport:
     """Record every chunk found in `store` into `catalog` (idempotent); return what happened.
@@ -119,7 +120,7 @@ def rebuild(
     still checked). A new namespace's chunk size is inferred from a chunk
     that has a child in the store (its length is the chunk size); when no
     chunk has one, `chunk_size` is used, else the longest root chunk.
-    `progress(done, total)` is called after each blob.
+    `progress("rebuild", done, total)` is called after each blob.
     """
     report = RebuildReport(store=store.name)
     given: dict[str, Fingerprint] = {}
@@ -149,7 +150,7 @@ def rebuild(
             else:
                 blobs.append(_Blob(key, header, fp, receipt))
         if progress is not None:
-            progress(done, len(keys))
+            progress("rebuild", done, len(keys))
     report.unknown_fingerprints = dict(sorted(unknown.items()))
 
     by_ns: dict[str, list[_Blob]] = {}

@@ -90,14 +90,14 @@ def corrupt(store: ChunkStore, key: str) -> None:
 
 def test_rebuilt_catalog_restores_bit_identically(lost: Lost) -> None:
     with lost.fresh_catalog() as cat:
-        seen: list[tuple[int, int]] = []
+        seen: list[tuple[str, int, int | None]] = []
         report = rebuild(
-            cat, lost.store, fingerprints=FPS, progress=lambda d, t: seen.append((d, t))
+            cat, lost.store, fingerprints=FPS, progress=lambda s, d, t: seen.append((s, d, t))
         )
         assert report.complete, report.to_dict()
         assert report.blobs == 6 and report.recorded == 6  # 4 chunks of P, 2 of Q's own
         assert report.namespaces == {"default": CHUNK}
-        assert seen[-1] == (6, 6)
+        assert seen[-1] == ("rebuild", 6, 6)
         for toks in (P, Q):
             pool = PagePool(MODEL.layout, page_size=PAGE, num_pages=256)
             with Restorer(cat, [lost.store]) as r:

@@ -125,7 +125,7 @@ def rebuild_cmd(
         leave=False,
     )
 
-    def progress(done: int, total: int) -> None:
+    def progress(_stage: str, done: int, total: int | None) -> None:
         bar.total = total
         bar.update(done - bar.n)
 
