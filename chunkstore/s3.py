@@ -1,20 +1,17 @@
-"""The S3-compatible chunk store: conditional puts, multipart uploads, ranged parallel gets (boto3)."""
+"""The S3-compatible chunk store: conditional puts, multipart uploads, ranged parallel gets (boto3).
+
+The multipart upload is in `chunkstore.s3_multipart`, stateless helpers in `chunkstore.s3_helpers`.
+"""
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import functools
-import hashlib
 import logging
-import math
 import threading
 import time
-import urllib.parse
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from datetime import UTC, datetime
-from email.utils import parsedate_to_datetime
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import boto3
@@ -42,23 +39,34 @@ from chunkstore.errors import (
     StoreWriteError,
 )
 from chunkstore.local import check_content_address
+from chunkstore.s3_helpers import (
+    CONTENT_TYPE,
+    MiB,
+    clean_etag,
+    http_status,
+    object_version,
+    read_into,
+    run_all,
+    server_time,
+    sha256_b64,
+    store_name,
+    total_size,
+    utc,
+)
+from chunkstore.s3_multipart import put_multipart
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
-    from mypy_boto3_s3.type_defs import CompletedPartTypeDef
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-MiB = 1024 * 1024
 MIN_PART_SIZE = 5 * MiB  # S3's minimum for every part but the last
 MAX_PART_SIZE = 5 * 1024 * MiB
-MAX_PARTS = 10_000
 DEFAULT_MULTIPART_THRESHOLD = 64 * MiB
 DEFAULT_PART_SIZE = 16 * MiB
 DEFAULT_REFRESH_AFTER_S = 900.0
-_CONTENT_TYPE = "application/octet-stream"
 _NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
 # Raised by a response body while it streams: outside botocore's retries.
 _STREAM_ERRORS = (ReadTimeoutError, IncompleteReadError, ResponseStreamingError)
@@ -67,24 +75,6 @@ _NOT_SENT_ERRORS = (NoCredentialsError, PartialCredentialsError, ProfileNotFound
 
 RetryMode = Literal["standard", "adaptive"]
 AddressingStyle = Literal["path", "virtual", "auto"]
-
-
-def _utc(dt: datetime) -> datetime:
-    return dt.astimezone(UTC) if dt.tzinfo else dt.replace(tzinfo=UTC)
-
-
-def _etag(raw: str | None) -> str | None:
-    return raw.strip('"') if raw else None
-
-
-def _version(raw: str | None) -> str | None:
-    # "null" is what S3 calls the version of an object in an unversioned bucket.
-    return raw if raw and raw != "null" else None
-
-
-def _sha256_b64(data: Buffer) -> tuple[str, bytes]:
-    digest = hashlib.sha256(data).digest()
-    return base64.b64encode(digest).decode("ascii"), digest
 
 
 class S3Store(ChunkStore):
@@ -163,7 +153,7 @@ class S3Store(ChunkStore):
         self.part_size = part_size
         self.max_concurrency = max_concurrency
         self.refresh_after_s = refresh_after_s
-        self._name = _store_name(bucket, self.prefix, endpoint_url, region)
+        self._name = store_name(bucket, self.prefix, endpoint_url, region)
         config = Config(
             retries={"mode": retry_mode, "total_max_attempts": max_attempts},
             connect_timeout=connect_timeout,
@@ -232,7 +222,7 @@ class S3Store(ChunkStore):
         try:
             return fn()
         except ClientError as exc:
-            if _status(exc) in passthrough:
+            if http_status(exc) in passthrough:
                 raise
             raise self._map_error(op, key, exc) from exc
         except BotoCoreError as exc:
@@ -248,7 +238,7 @@ class S3Store(ChunkStore):
         writing = op in ("put", "multipart put")
         if isinstance(exc, ClientError):
             code = str(exc.response.get("Error", {}).get("Code", "?"))
-            status = _status(exc)
+            status = http_status(exc)
             message = str(exc.response.get("Error", {}).get("Message", "")).strip()
             detail = f"{code} (HTTP {status}){': ' + message if message else ''}"
             if status == 404 and code in _NOT_FOUND_CODES:
@@ -290,7 +280,7 @@ class S3Store(ChunkStore):
         # A 412 followed by a 404 means GC deleted the blob in between: try again.
         for _ in range(3):
             if view.nbytes > self.multipart_threshold:
-                receipt = self._put_multipart(key, view)
+                receipt = put_multipart(self, key, view)
             else:
                 receipt = self._put_single(key, view)
             if receipt is not None:
@@ -302,7 +292,7 @@ class S3Store(ChunkStore):
 
     def _put_single(self, key: str, view: memoryview) -> Receipt | None:
         obj = self.object_key(key)
-        sha_b64, _ = _sha256_b64(view)
+        sha_b64, _ = sha256_b64(view)
         body = (
             view.obj
             if isinstance(view.obj, bytes) and len(view.obj) == view.nbytes
@@ -318,7 +308,7 @@ class S3Store(ChunkStore):
                     Body=body,
                     IfNoneMatch="*",
                     ChecksumSHA256=sha_b64,
-                    ContentType=_CONTENT_TYPE,
+                    ContentType=CONTENT_TYPE,
                 ),
                 passthrough=frozenset({412}),
             )
@@ -330,124 +320,10 @@ class S3Store(ChunkStore):
             key=key,
             size=view.nbytes,
             checksum=f"sha256:{resp.get('ChecksumSHA256') or sha_b64}",
-            stored_at=_server_time(resp),
-            etag=_etag(resp.get("ETag")),
-            version=_version(resp.get("VersionId")),
+            stored_at=server_time(resp),
+            etag=clean_etag(resp.get("ETag")),
+            version=object_version(resp.get("VersionId")),
         )
-
-    def _put_multipart(self, key: str, view: memoryview) -> Receipt | None:
-        # Hand-rolled rather than s3transfer: it must end with a conditional
-        # CompleteMultipartUpload (If-None-Match: *), which SeaweedFS and moto
-        # both honour (412 when the key exists), and carry per-part SHA-256
-        # checksums, which both verify and echo.
-        obj = self.object_key(key)
-        size = view.nbytes
-        part_size = max(self.part_size, math.ceil(size / MAX_PARTS))
-        ranges = [
-            (i + 1, off, min(off + part_size, size))
-            for i, off in enumerate(range(0, size, part_size))
-        ]
-        created = self._call(
-            "multipart put",
-            key,
-            lambda: self.client.create_multipart_upload(
-                Bucket=self.bucket, Key=obj, ChecksumAlgorithm="SHA256", ContentType=_CONTENT_TYPE
-            ),
-        )
-        upload_id = created["UploadId"]
-
-        def upload(part: int, start: int, end: int) -> tuple[int, str, bytes]:
-            piece = view[start:end]
-            sha_b64, digest = _sha256_b64(piece)
-            resp = self._call(
-                f"upload of part {part} in multipart put",
-                key,
-                lambda: self.client.upload_part(
-                    Bucket=self.bucket,
-                    Key=obj,
-                    UploadId=upload_id,
-                    PartNumber=part,
-                    Body=piece.tobytes(),
-                    ChecksumSHA256=sha_b64,
-                ),
-            )
-            return part, str(resp["ETag"]), digest
-
-        try:
-            parts = _run_all(
-                self._executor(), [functools.partial(upload, p, s, e) for p, s, e in ranges]
-            )
-        except ChunkStoreError as exc:
-            self._abort(key, obj, upload_id)
-            # Until CompleteMultipartUpload nothing is visible under the key.
-            raise StoreWriteError(
-                f"{self._name}: multipart put of blob {key} did not land: {exc}"
-            ) from exc
-        except BaseException:
-            self._abort(key, obj, upload_id)
-            raise
-        parts.sort()
-        digests = b"".join(d for _, _, d in parts)
-        composite = (
-            base64.b64encode(hashlib.sha256(digests).digest()).decode("ascii") + f"-{len(parts)}"
-        )
-        listing: list[CompletedPartTypeDef] = [
-            {"PartNumber": n, "ETag": etag, "ChecksumSHA256": base64.b64encode(d).decode("ascii")}
-            for n, etag, d in parts
-        ]
-        try:
-            resp = self._call(
-                "multipart put",
-                key,
-                lambda: self.client.complete_multipart_upload(
-                    Bucket=self.bucket,
-                    Key=obj,
-                    UploadId=upload_id,
-                    MultipartUpload={"Parts": listing},
-                    IfNoneMatch="*",
-                ),
-                passthrough=frozenset({404, 412}),
-            )
-        except ClientError as exc:
-            if _status(exc) == 412:
-                self._abort(key, obj, upload_id)
-                return self._existing(key, size, None)
-            # 404 NoSuchUpload: an earlier attempt whose response was lost
-            # completed the upload; the object says whether it landed.
-            try:
-                return self._existing(key, size, None)
-            except BlobNotFoundError:
-                raise self._map_error("multipart put", key, exc) from exc
-        except BaseException:
-            self._abort(key, obj, upload_id)
-            raise
-        logger.debug("%s: stored blob %s (%d bytes, %d parts)", self._name, key, size, len(parts))
-        return Receipt(
-            store=self._name,
-            key=key,
-            size=size,
-            checksum=f"sha256:{resp.get('ChecksumSHA256') or composite}",
-            stored_at=_server_time(resp),
-            etag=_etag(resp.get("ETag")),
-            version=_version(resp.get("VersionId")),
-        )
-
-    def _abort(self, key: str, obj: str, upload_id: str) -> None:
-        try:
-            self._call(
-                "abort of multipart put",
-                key,
-                lambda: self.client.abort_multipart_upload(
-                    Bucket=self.bucket, Key=obj, UploadId=upload_id
-                ),
-                passthrough=frozenset({404}),
-            )
-        except (ChunkStoreError, ClientError) as exc:
-            # The parts cost storage until a bucket lifecycle rule
-            # (AbortIncompleteMultipartUpload) reaps them; they are never visible.
-            logger.warning(
-                "%s: could not abort multipart upload of blob %s: %s", self._name, key, exc
-            )
 
     def _existing(
         self, key: str, size: int, sha_b64: str | None, *, refresh: bool = True
@@ -466,7 +342,7 @@ class S3Store(ChunkStore):
                 f"{self._name}: object for blob {key} holds {stored} bytes, expected {size}: "
                 "a wrong object sits under a content address"
             )
-        etag = _etag(head.get("ETag"))
+        etag = clean_etag(head.get("ETag"))
         remote_sha = head.get("ChecksumSHA256")
         # A single-part object's checksum is of its whole content and can be compared.
         if (
@@ -481,7 +357,7 @@ class S3Store(ChunkStore):
                 f"{self._name}: object for blob {key} has SHA-256 {remote_sha}, expected {sha_b64}: "
                 "a wrong object sits under a content address"
             )
-        last_modified = _utc(head["LastModified"])
+        last_modified = utc(head["LastModified"])
         if refresh and time.time() - last_modified.timestamp() >= self.refresh_after_s:
             # A publish reusing existing bytes must refresh them, so that GC's
             # orphan grace period (which must exceed refresh_after_s) never
@@ -498,7 +374,7 @@ class S3Store(ChunkStore):
             checksum=f"sha256:{remote_sha}" if remote_sha else f"etag:{etag}",
             stored_at=last_modified,
             etag=etag,
-            version=_version(head.get("VersionId")),
+            version=object_version(head.get("VersionId")),
         )
 
     def touch(self, key: str) -> None:
@@ -516,7 +392,7 @@ class S3Store(ChunkStore):
                 Key=obj,
                 CopySource={"Bucket": self.bucket, "Key": obj},
                 MetadataDirective="REPLACE",
-                ContentType=_CONTENT_TYPE,
+                ContentType=CONTENT_TYPE,
                 Metadata={"kvc-touched": utcnow().isoformat()},
                 ChecksumAlgorithm="SHA256",
             ),
@@ -553,7 +429,7 @@ class S3Store(ChunkStore):
             except ClientError:  # 416: a range cannot start inside an empty object
                 whole = self._get_whole(key, obj)
                 return whole, len(whole), None
-            total = _total_size(first)
+            total = total_size(first)
             got = int(first["ContentLength"])
             body = first["Body"]
             with self._reading(key, body):
@@ -561,7 +437,7 @@ class S3Store(ChunkStore):
                     data: bytes = body.read()
                     return data, got, None
                 buf = bytearray(total)
-                _read_into(body, memoryview(buf)[:got])
+                read_into(body, memoryview(buf)[:got])
             return buf, got, first.get("ETag")
 
         buf, got, etag = self._retry_stream(key, first_window)
@@ -574,7 +450,7 @@ class S3Store(ChunkStore):
             )
             for s in range(got, len(buf), self.part_size)
         ]
-        _run_all(self._executor(), jobs)
+        run_all(self._executor(), jobs)
         return buf
 
     def _retry_stream(self, key: str, read: Callable[[], _T]) -> _T:
@@ -643,7 +519,7 @@ class S3Store(ChunkStore):
                     f"expected {end - start}"
                 )
             with self._reading(key, resp["Body"]):
-                _read_into(resp["Body"], memoryview(buf)[start:end])
+                read_into(resp["Body"], memoryview(buf)[start:end])
 
         self._retry_stream(key, read)
 
@@ -656,7 +532,7 @@ class S3Store(ChunkStore):
 
     def stat(self, key: str) -> BlobStat:
         head = self._head(key)
-        return BlobStat(size=int(head["ContentLength"]), mtime=_utc(head["LastModified"]))
+        return BlobStat(size=int(head["ContentLength"]), mtime=utc(head["LastModified"]))
 
     def keys(self) -> Iterator[str]:
         list_prefix = f"{self.prefix}/" if self.prefix else ""
@@ -684,62 +560,3 @@ class S3Store(ChunkStore):
         if pool is not None:
             pool.shutdown(wait=True)
         self.client.close()
-
-
-def _status(exc: ClientError) -> int:
-    return int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
-
-
-def _server_time(resp: Mapping[str, Any]) -> datetime:
-    # The server's clock, the one LastModified (and so GC) goes by.
-    date = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
-    if date:
-        try:
-            return _utc(parsedate_to_datetime(date))
-        except (TypeError, ValueError):
-            pass
-    return utcnow()
-
-
-def _total_size(resp: Mapping[str, Any]) -> int:
-    content_range = resp.get("ContentRange")  # "bytes 0-99/12345"
-    if content_range and "/" in content_range:
-        total = content_range.rsplit("/", 1)[1]
-        if total.isdigit():
-            return int(total)
-    return int(resp["ContentLength"])  # the server ignored Range and sent it all
-
-
-def _read_into(body: Any, target: memoryview) -> None:
-    offset = 0
-    for chunk in body.iter_chunks(1 * MiB):
-        end = offset + len(chunk)
-        if end > len(target):
-            raise IncompleteReadError(actual_bytes=end, expected_bytes=len(target))
-        target[offset:end] = chunk
-        offset = end
-    if offset != len(target):
-        raise IncompleteReadError(actual_bytes=offset, expected_bytes=len(target))
-
-
-def _run_all(pool: ThreadPoolExecutor, jobs: Sequence[Callable[[], _T]]) -> list[_T]:
-    """Run `jobs` on `pool`; on the first failure cancel what has not started, wait, and raise it."""
-    futures: list[Future[_T]] = [pool.submit(job) for job in jobs]
-    wait(futures, return_when=FIRST_EXCEPTION)
-    failed = next((f for f in futures if f.done() and f.exception() is not None), None)
-    if failed is not None:
-        for f in futures:
-            f.cancel()
-        wait(futures)  # let in-flight jobs finish before the caller cleans up
-        exc = failed.exception()
-        assert exc is not None
-        raise exc
-    return [f.result() for f in futures]
-
-
-def _store_name(bucket: str, prefix: str, endpoint_url: str | None, region: str | None) -> str:
-    """`s3://bucket/prefix?endpoint_url=..&region=..`: only what says which store it is."""
-    identity = {k: v for k, v in (("endpoint_url", endpoint_url), ("region", region)) if v}
-    query = urllib.parse.urlencode(sorted(identity.items()), safe=":/")
-    path = f"/{urllib.parse.quote(prefix)}" if prefix else ""
-    return f"s3://{bucket}{path}" + (f"?{query}" if query else "")

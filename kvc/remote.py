@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -17,19 +17,13 @@ from pydantic import BaseModel, ValidationError
 
 from catalog.base import DEFAULT_CHUNK_SIZE
 from catalog.errors import (
-    AccessDeniedError,
-    CatalogConflictError,
     CatalogError,
     CatalogInputError,
     CatalogUnavailableError,
     IdentityError,
-    MissingParentError,
     NotFoundError,
     OutcomeUnknownError,
     PublishError,
-    PurgeInProgressError,
-    RefConflictError,
-    SchemaVersionError,
 )
 from catalog.identity import Fingerprint, chain_root, fingerprint_hex, token_array
 from catalog.models import (
@@ -46,6 +40,7 @@ from catalog.models import (
     ReplicaState,
     Shard,
 )
+from kvc.remote_errors import raise_error
 from kvc.wire import (
     API_ROOT,
     ChunkRecordModel,
@@ -58,19 +53,16 @@ from kvc.wire import (
     MarkReplicaResponse,
     MatchModel,
     NamespaceResponse,
-    PinList,
-    PinModel,
     PrefixModel,
     PublishResponse,
     QuarantineResponse,
     ReceiptModel,
     RecordReplicaResponse,
-    RefList,
-    RefModel,
     ReplicaKeys,
     ShardModel,
     StatsModel,
 )
+from kvc.wire_refs import PinList, PinModel, RefList, RefModel
 
 if TYPE_CHECKING:
     from catalog.base import CatalogAPI
@@ -79,35 +71,6 @@ log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
 
-# The service names the class of a catalog error in its body (`error`); these are
-# raised again here. A name not in the table falls back to the status's class.
-_BY_NAME: dict[str, type[CatalogError]] = {
-    cls.__name__: cls
-    for cls in (
-        AccessDeniedError,
-        CatalogConflictError,
-        CatalogInputError,
-        CatalogUnavailableError,
-        IdentityError,
-        MissingParentError,
-        NotFoundError,
-        OutcomeUnknownError,
-        PublishError,
-        PurgeInProgressError,
-        RefConflictError,
-        SchemaVersionError,
-    )
-}
-# The class of each 4xx status, when the body names none (or one that is not a subclass).
-_BY_STATUS: dict[int, type[CatalogError]] = {
-    400: CatalogInputError,
-    401: AccessDeniedError,
-    403: AccessDeniedError,
-    404: NotFoundError,
-    409: CatalogConflictError,
-    413: CatalogInputError,
-    422: CatalogInputError,
-}
 # Transport failures before anything was sent: the call did not land.
 _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.UnsupportedProtocol)
 _WRITES = frozenset({"POST", "PUT", "DELETE", "PATCH"})
@@ -141,25 +104,6 @@ def _check_name(kind: str, name: str) -> None:
         or (kind == "pin" and not name.isprintable())
     ):
         raise CatalogInputError(f"invalid {kind} name {name!r:.80}: 1-255 printable characters")
-
-
-def _detail(resp: httpx.Response) -> tuple[str, str | None]:
-    try:
-        body = resp.json()
-    except ValueError:
-        return resp.reason_phrase or f"HTTP {resp.status_code}", None
-    if not isinstance(body, dict):
-        return f"HTTP {resp.status_code}", None
-    detail = body.get("detail")
-    if isinstance(detail, list):  # request validation: name the fields, never echo the input
-        parts = []
-        for err in detail:
-            if isinstance(err, dict):
-                loc = ".".join(str(x) for x in err.get("loc", ()))
-                parts.append(f"{loc}: {err.get('msg', 'invalid')}")
-        return "; ".join(parts) or "invalid request", None
-    error = body.get("error")
-    return str(detail), error if isinstance(error, str) else None
 
 
 class RemoteCatalog:
@@ -245,36 +189,7 @@ class RemoteCatalog:
             ) from exc
         if 200 <= resp.status_code < 300:
             return resp
-        self._raise(resp, method, path, write, default_error)
-
-    def _raise(
-        self,
-        resp: httpx.Response,
-        method: str,
-        path: str,
-        write: bool,
-        default_error: type[CatalogError] | None,
-    ) -> NoReturn:
-        message, error = _detail(resp)
-        code = resp.status_code
-        base: type[CatalogError]
-        if code == 404:
-            raise NotFoundError(f"not found in namespace: {method} {path}")
-        if 400 <= code < 500:
-            base = _BY_STATUS.get(code, CatalogInputError)
-            if default_error is not None and issubclass(default_error, base):
-                base = default_error
-        elif code in (500, 504) and write:
-            base = OutcomeUnknownError
-        else:  # 502, 503, another 5xx on a read, or a status no kvc service answers
-            base = CatalogUnavailableError
-        named = _BY_NAME.get(error or "")
-        cls = named if named is not None and issubclass(named, base) else base
-        if cls in (OutcomeUnknownError, CatalogUnavailableError) and error is None:
-            message = f"the kvc service answered {code} to {method} {path}: {message}"
-        if code == 401 and cls is AccessDeniedError and error is None:
-            message = f"the kvc service refused the token: {message}"
-        raise cls(message)
+        raise_error(resp, method, path, write=write, default_error=default_error)
 
     def _parse(self, resp: httpx.Response, model: type[M]) -> M:
         try:

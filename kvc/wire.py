@@ -2,6 +2,7 @@
 
 Shared by the server (kvc/service/) and the client (kvc/remote.py); imports
 no web framework, so a worker that only talks to a service never loads one.
+The bodies of refs and pins are in `kvc.wire_refs`.
 """
 
 from __future__ import annotations
@@ -25,9 +26,7 @@ from catalog.models import (
     EventInfo,
     InvalidationDirective,
     Match,
-    PinInfo,
     PrefixInfo,
-    RefInfo,
     ReplicaInfo,
     ReplicaReceipt,
     Shard,
@@ -44,22 +43,21 @@ NOT_FOUND = {"detail": "Not Found"}
 # What reaches the catalog fits its columns, refused here with a 422 naming the field
 # rather than by the database with a 500: BIGINT counts, VARCHAR lengths, and no NUL
 # characters (PostgreSQL text cannot hold them; SQLite would store anything).
-_NO_NUL = r"^[^\x00]*$"
+NO_NUL = r"^[^\x00]*$"
 Hex64 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 TokenId = Annotated[int, Field(strict=True, ge=0, le=MAX_TOKEN_ID)]
 Count = Annotated[int, Field(strict=True, ge=0, le=2**63 - 1)]
 TierName = Literal["resident", "local", "object"]
 StateName = Literal["durable", "ready", "corrupt", "missing", "deleting"]
-Text = Annotated[str, StringConstraints(min_length=1, max_length=1024, pattern=_NO_NUL)]
-Short = Annotated[str, StringConstraints(max_length=255, pattern=_NO_NUL)]
+Text = Annotated[str, StringConstraints(min_length=1, max_length=1024, pattern=NO_NUL)]
+Short = Annotated[str, StringConstraints(max_length=255, pattern=NO_NUL)]
 # A replica's location is a URI; the catalog files its store under the scheme (16 characters).
 Location = Annotated[
     str,
     StringConstraints(max_length=1024, pattern=r"^[A-Za-z][A-Za-z0-9+.\-]{0,15}:[^\x00]*$"),
 ]
-RefName = Annotated[str, StringConstraints(min_length=1, max_length=255, pattern=_NO_NUL)]
 Actor = Short | None
-Reason = Annotated[str, StringConstraints(max_length=1024, pattern=_NO_NUL)]
+Reason = Annotated[str, StringConstraints(max_length=1024, pattern=NO_NUL)]
 
 
 def _utc(value: datetime) -> datetime:
@@ -73,11 +71,13 @@ def _utc(value: datetime) -> datetime:
 UtcDatetime = Annotated[AwareDatetime, AfterValidator(_utc)]
 
 
-class _Model(BaseModel):
+class WireModel(BaseModel):
+    """A body on the wire: unknown fields are refused, instances are immutable."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ShardModel(_Model):
+class ShardModel(WireModel):
     layer_lo: Count
     layer_hi: Count
     head_lo: Count
@@ -91,7 +91,7 @@ class ShardModel(_Model):
         return Shard(self.layer_lo, self.layer_hi, self.head_lo, self.head_hi)
 
 
-class ReceiptModel(_Model):
+class ReceiptModel(WireModel):
     location: Location
     tier: TierName
     size: Count
@@ -127,31 +127,31 @@ class ReceiptModel(_Model):
         )
 
 
-class NamespaceRequest(_Model):
+class NamespaceRequest(WireModel):
     chunk_size: Annotated[int, Field(strict=True, ge=1, le=65536)]
 
 
-class NamespaceResponse(_Model):
+class NamespaceResponse(WireModel):
     chunk_size: int | None
 
 
-class FingerprintModel(_Model):
+class FingerprintModel(WireModel):
     fingerprint: Hex64
     descriptor: dict[str, Any]
 
 
-class RegisterFingerprintRequest(_Model):
+class RegisterFingerprintRequest(WireModel):
     descriptor: dict[str, Any]
 
 
-class LookupRequest(_Model):
+class LookupRequest(WireModel):
     fingerprint: Hex64
     tokens: list[TokenId] = Field(min_length=1)
     shard: ShardModel | None = None
     max_tokens: Count | None = None
 
 
-class ReplicaModel(_Model):
+class ReplicaModel(WireModel):
     location: str
     tier: TierName
     state: StateName
@@ -171,7 +171,7 @@ class ReplicaModel(_Model):
         return ReplicaInfo(**self.model_dump())
 
 
-class ChunkMatchModel(_Model):
+class ChunkMatchModel(WireModel):
     prefix_hash: Hex64
     parent_hash: Hex64
     blob_key: Hex64
@@ -213,7 +213,7 @@ class ChunkMatchModel(_Model):
         )
 
 
-class MatchModel(_Model):
+class MatchModel(WireModel):
     namespace: str
     fingerprint: Hex64
     shard: ShardModel | None
@@ -243,7 +243,7 @@ class MatchModel(_Model):
         )
 
 
-class ChunkRecordModel(_Model):
+class ChunkRecordModel(WireModel):
     """A publish record; the namespace is the one in the path, the fingerprint a hex."""
 
     fingerprint: Hex64
@@ -253,7 +253,7 @@ class ChunkRecordModel(_Model):
     tokens: list[TokenId] = Field(min_length=1)
     shard: ShardModel
     blob_key: Hex64
-    codec: Annotated[str, StringConstraints(min_length=1, max_length=32, pattern=_NO_NUL)]
+    codec: Annotated[str, StringConstraints(min_length=1, max_length=32, pattern=NO_NUL)]
     stored_bytes: Count
     kv_bytes: Count
     receipts: list[ReceiptModel] = Field(min_length=1)
@@ -275,7 +275,7 @@ class ChunkRecordModel(_Model):
         )
 
 
-class PublishRequest(_Model):
+class PublishRequest(WireModel):
     """Records, and the descriptor of each fingerprint they use (registered by the service)."""
 
     fingerprints: dict[Hex64, dict[str, Any]] = Field(default_factory=dict)
@@ -283,30 +283,30 @@ class PublishRequest(_Model):
     actor: Actor = None
 
 
-class ConflictModel(_Model):
+class ConflictModel(WireModel):
     prefix_hash: Hex64
     kept_key: Hex64
     rejected_key: Hex64
 
 
-class PublishResponse(_Model):
+class PublishResponse(WireModel):
     recorded: int
     already_present: int
     replicas_added: int
     conflicts: list[ConflictModel] = Field(default_factory=list)
 
 
-class RecordReplicaRequest(_Model):
+class RecordReplicaRequest(WireModel):
     blob_key: Hex64
     receipt: ReceiptModel
     actor: Actor = None
 
 
-class RecordReplicaResponse(_Model):
+class RecordReplicaResponse(WireModel):
     added: bool
 
 
-class MarkReplicaRequest(_Model):
+class MarkReplicaRequest(WireModel):
     blob_key: Hex64
     location: Text
     state: StateName
@@ -314,84 +314,21 @@ class MarkReplicaRequest(_Model):
     actor: Actor = None
 
 
-class MarkReplicaResponse(_Model):
+class MarkReplicaResponse(WireModel):
     changed: bool
 
 
-class KnownRequest(_Model):
+class KnownRequest(WireModel):
     fingerprint: Hex64
     prefix_hashes: list[Hex64]
     shard: ShardModel
 
 
-class KnownResponse(_Model):
+class KnownResponse(WireModel):
     blob_keys: dict[Hex64, Hex64]
 
 
-class RefModel(_Model):
-    namespace: str
-    name: str
-    fingerprint: Hex64
-    head_hash: Hex64
-    processed: int
-    pending_token: int | None
-    forked_from: str | None
-    created_at: datetime
-    updated_at: datetime
-
-    @classmethod
-    def of(cls, r: RefInfo) -> RefModel:
-        return cls(
-            namespace=r.namespace,
-            name=r.name,
-            fingerprint=r.fingerprint,
-            head_hash=r.head_hash.hex(),
-            processed=r.processed,
-            pending_token=r.pending_token,
-            forked_from=r.forked_from,
-            created_at=r.created_at,
-            updated_at=r.updated_at,
-        )
-
-    def to_info(self) -> RefInfo:
-        return RefInfo(
-            self.namespace,
-            self.name,
-            self.fingerprint,
-            bytes.fromhex(self.head_hash),
-            self.processed,
-            self.pending_token,
-            self.forked_from,
-            self.created_at,
-            self.updated_at,
-        )
-
-
-class RefList(_Model):
-    refs: list[RefModel]
-
-
-class CreateRefRequest(_Model):
-    fingerprint: Hex64
-    head_hash: Hex64
-    pending_token: TokenId | None = None
-    forked_from: RefName | None = None
-    actor: Actor = None
-
-
-class UpdateRefRequest(_Model):
-    expected_head: Hex64
-    new_head: Hex64
-    pending_token: TokenId | None = None
-    actor: Actor = None
-
-
-class ForkRefRequest(_Model):
-    name: RefName
-    actor: Actor = None
-
-
-class PrefixModel(_Model):
+class PrefixModel(WireModel):
     prefix_hash: Hex64
     parent_hash: Hex64
     token_start: int
@@ -424,17 +361,17 @@ class PrefixModel(_Model):
         )
 
 
-class Lineage(_Model):
+class Lineage(WireModel):
     prefixes: list[PrefixModel]
 
 
-class QuarantineRequest(_Model):
+class QuarantineRequest(WireModel):
     prefix_hash: Hex64
     reason: Annotated[Reason, StringConstraints(min_length=1, strip_whitespace=True)]
     actor: Actor = None
 
 
-class DirectiveModel(_Model):
+class DirectiveModel(WireModel):
     location: str
     blob_key: Hex64
     tier: TierName
@@ -457,11 +394,11 @@ class DirectiveModel(_Model):
         )
 
 
-class QuarantineResponse(_Model):
+class QuarantineResponse(WireModel):
     directives: list[DirectiveModel]
 
 
-class StatsModel(_Model):
+class StatsModel(WireModel):
     namespace: str | None
     chunks: int
     prefixes: int
@@ -471,11 +408,11 @@ class StatsModel(_Model):
     replicas: dict[str, int]
 
 
-class Health(_Model):
+class Health(WireModel):
     status: Literal["ok"]
 
 
-class ErrorModel(_Model):
+class ErrorModel(WireModel):
     """A refusal: what is wrong, and for an error of the catalog its class name (`error`)."""
 
     detail: str
@@ -494,100 +431,50 @@ class InvalidRequestModel(BaseModel):
     detail: list[FieldErrorModel]
 
 
-# -- replicas of the namespace, pins, demand, prefixes, history -----------------------
+# -- replicas of the namespace, demand, prefixes, history (refs and pins: kvc.wire_refs) --
 
 BlobKeys = Annotated[list[Hex64], Field(max_length=100_000)]
 Seconds = Annotated[float, Field(gt=0, lt=1e10, allow_inf_nan=False)]
-PinName = Annotated[
-    str, StringConstraints(min_length=1, max_length=255, pattern=r"^[^\x00-\x1f\x7f]*$")
-]
 
 
-class ReplicaKeys(_Model):
+class ReplicaKeys(WireModel):
     """Blob keys with a replica at a location, of this namespace's chunks only."""
 
     blob_keys: list[Hex64]
 
 
-class TouchVerifiedRequest(_Model):
+class TouchVerifiedRequest(WireModel):
     location: Text
     blob_keys: BlobKeys
 
 
-class RemoveReplicasRequest(_Model):
+class RemoveReplicasRequest(WireModel):
     location: Text
     blob_keys: BlobKeys
     reason: Reason
     actor: Actor = None
 
 
-class CountResponse(_Model):
+class CountResponse(WireModel):
     count: int
 
 
-class PinRequest(_Model):
-    prefix_hash: Hex64
-    ttl_s: Seconds | None = None
-    reason: Reason | None = None
-    actor: Actor = None
-
-
-class PinModel(_Model):
-    namespace: str
-    name: str
-    prefix_hash: Hex64
-    reason: str | None
-    created_by: str | None
-    created_at: datetime
-    expires_at: datetime | None
-    live: bool
-
-    @classmethod
-    def of(cls, p: PinInfo) -> PinModel:
-        return cls(
-            namespace=p.namespace,
-            name=p.name,
-            prefix_hash=p.prefix_hash.hex(),
-            reason=p.reason,
-            created_by=p.created_by,
-            created_at=p.created_at,
-            expires_at=p.expires_at,
-            live=p.live,
-        )
-
-    def to_info(self) -> PinInfo:
-        return PinInfo(
-            self.namespace,
-            self.name,
-            bytes.fromhex(self.prefix_hash),
-            self.reason,
-            self.created_by,
-            self.created_at,
-            self.expires_at,
-            self.live,
-        )
-
-
-class PinList(_Model):
-    pins: list[PinModel]
-
-
-class DeclareDemandRequest(_Model):
+class DeclareDemandRequest(WireModel):
     worker: Annotated[Short, StringConstraints(min_length=1)]
     prefix_hash: Hex64
     priority: Annotated[float, Field(allow_inf_nan=False, ge=-1e300, le=1e300)] = 1.0
     ttl_s: Seconds = 3600
 
 
-class DemandRequest(_Model):
+class DemandRequest(WireModel):
     prefix_hashes: BlobKeys
 
 
-class DemandResponse(_Model):
+class DemandResponse(WireModel):
     demand: dict[Hex64, float]
 
 
-class EventModel(_Model):
+class EventModel(WireModel):
     seq: int
     at: datetime
     kind: str
@@ -614,5 +501,5 @@ class EventModel(_Model):
         )
 
 
-class EventList(_Model):
+class EventList(WireModel):
     events: list[EventModel]

@@ -4,7 +4,7 @@ A restore writes into a `Destination` (reserve, write chunk by chunk, commit
 or abort); a checkpoint reads from a `KVSnapshot` (a frozen view of positions
 `[0, length)`). The page pool implements both (`PoolDestination`, `Lease`);
 an engine adapter implements them over the engine's own cache tensors
-(`restore/engines/hf.py`). The pipelines never see more than these methods.
+(`restore/engines/hf/cache.py`). The pipelines never see more than these methods.
 
 Arrays crossing these seams are numpy, in the layout's numpy dtype (uint16
 bit patterns for bfloat16), shaped like the blob payload: `[L, 2, T, H, D]`

@@ -19,6 +19,9 @@ slot `i % page_size` of page `table[i // page_size]`. Pages are refcounted by
 their holders: routes, open leases and reservations. A page held twice is
 never written: appending to a route whose partial last page is shared copies
 that page first (copy-on-write). Slots past a route's length are garbage.
+
+`Lease` (a route's snapshot) is in `restore.lease`; the loops that copy
+positions into and out of pages are in `restore.pages`.
 """
 
 from __future__ import annotations
@@ -28,22 +31,20 @@ import logging
 import math
 import threading
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
 import numpy as np
 
 from catalog import AttentionLayout
-from restore.errors import PoolExhaustedError, RestoreError, UnknownRouteError
+from restore.errors import PoolExhaustedError, UnknownRouteError
+from restore.lease import Lease, LeaseState
+from restore.pages import check_int, check_range, check_tokens, copy_in, copy_out_kv, page_spans
 
 __all__ = ["Lease", "PagePool"]
 
 log = logging.getLogger(__name__)
-
-# A bfloat16 whose exponent bits are all ones is an Inf or a NaN.
-_BF16_EXPONENT = 0x7F80
 
 
 @dataclass(slots=True)
@@ -67,100 +68,6 @@ class _Route:
         return (self.reuse + self.demand) * self.length * self.cost
 
 
-@dataclass(frozen=True, slots=True)
-class _LeaseState:
-    route: int
-    pages: tuple[int, ...]
-    length: int
-
-
-def _check_int(name: str, value: Any, lo: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
-    return int(value)
-
-
-class Lease:
-    """A frozen snapshot of a route's first `length` positions, readable while the route moves on.
-
-    The lease holds a reference on every page of the snapshot, so the route may
-    append (its shared tail page is copied first), truncate or be released
-    without the snapshot changing. Use it as a context manager, or call
-    `close()`; do not close it while another thread is reading from it.
-    """
-
-    __slots__ = ("_id", "_pool", "length", "pages", "route")
-
-    def __init__(self, pool: PagePool, lease_id: int, state: _LeaseState) -> None:
-        self._pool = pool
-        self._id = lease_id
-        self.route = state.route
-        self.pages = state.pages
-        self.length = state.length
-
-    @property
-    def closed(self) -> bool:
-        return self._pool._lease_closed(self._id)
-
-    @property
-    def layout(self) -> AttentionLayout:
-        return self._pool.layout
-
-    def read(
-        self, start: int = 0, end: int | None = None
-    ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-        """K and V copies of snapshot positions `[start, end)`, each `[num_layers, end-start, H, D]`."""
-        kv = self.read_kv(start, end)
-        return kv[:, 0], kv[:, 1]
-
-    def read_kv(self, start: int = 0, end: int | None = None) -> np.ndarray[Any, Any]:
-        """A copy of snapshot positions `[start, end)` shaped `[num_layers, 2, end-start, H, D]`."""
-        if self.closed:
-            raise RestoreError(f"lease {self._id} on route {self.route} is closed")
-        start, end = _check_range(start, end, self.length)
-        # No pool lock while copying: the lease's references keep every writer
-        # off these pages, and a capture must not stall the decoding thread.
-        return self._pool._copy_out_kv(self.pages, start, end)
-
-    def close(self) -> None:
-        """Drop the snapshot's page references (idempotent)."""
-        self._pool._close_lease(self._id)
-
-    def __enter__(self) -> Lease:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"Lease(route={self.route}, length={self.length}, pages={self.pages})"
-
-
-def page_spans(start: int, end: int, page_size: int) -> Iterator[tuple[int, int, int, int]]:
-    """Cut positions `[start, end)` at page boundaries: `(table index, first slot, count,
-    offset from start)` per piece, the one loop every copy into or out of pages runs."""
-    pos = start
-    while pos < end:
-        idx, slot = divmod(pos, page_size)
-        take = min(page_size - slot, end - pos)
-        yield idx, slot, take, pos - start
-        pos += take
-
-
-def _check_range(start: int, end: int | None, length: int) -> tuple[int, int]:
-    end = length if end is None else end
-    start = _check_int("start", start)
-    end = _check_int("end", end)
-    if not start <= end <= length:
-        raise ValueError(f"range [{start}, {end}) is not within [0, {length})")
-    return start, end
-
-
 class PagePool:
     """Preallocated KV memory cut into pages of `page_size` tokens; see the module docstring.
 
@@ -172,8 +79,8 @@ class PagePool:
         if not isinstance(layout, AttentionLayout):
             raise TypeError(f"layout must be an AttentionLayout, got {type(layout).__name__}")
         self._layout = layout
-        self._page_size = _check_int("page_size", page_size, 1)
-        self._num_pages = _check_int("num_pages", num_pages, 1)
+        self._page_size = check_int("page_size", page_size, 1)
+        self._num_pages = check_int("num_pages", num_pages, 1)
         self._dtype = layout.numpy_dtype
         self._kv: np.ndarray[Any, Any] = np.empty(
             (
@@ -193,7 +100,7 @@ class PagePool:
         # A stack popping the lowest page first keeps fresh pools' tables contiguous.
         self._free: list[int] = list(range(self._num_pages - 1, -1, -1))
         self._routes: dict[int, _Route] = {}
-        self._leases: dict[int, _LeaseState] = {}
+        self._leases: dict[int, LeaseState] = {}
         self._reserved: set[int] = set()
         self._route_ids = itertools.count(1)
         self._lease_ids = itertools.count(1)
@@ -230,7 +137,7 @@ class PagePool:
 
     def refcount(self, page: int) -> int:
         """How many holders (routes, leases, reservations) a page has."""
-        page = _check_int("page", page)
+        page = check_int("page", page)
         if page >= self._num_pages:
             raise ValueError(f"page {page} is not in [0, {self._num_pages})")
         with self._lock:
@@ -263,7 +170,7 @@ class PagePool:
         Raises `PoolExhaustedError` (changing nothing) when the free pages do
         not cover the new pages plus a copy of a shared partial tail page.
         """
-        n = self._check_tokens(k, v)
+        n = check_tokens(self._layout, k, v)
         with self._lock:
             r = self._get(route)
             r.last_used = next(self._clock)
@@ -289,7 +196,7 @@ class PagePool:
                 r.pages[-1] = new
                 self._decref(old)
             r.pages.extend(self._alloc() for _ in range(grow))
-            self._copy_in(r.pages, r.length, k, v)
+            copy_in(self._kv, r.pages, r.length, k, v, self._page_size)
             r.length += n
 
     def read(
@@ -298,9 +205,10 @@ class PagePool:
         """K and V copies of positions `[start, end)`, each `[num_layers, end-start, H, D]`."""
         with self._lock:
             r = self._get(route)
-            start, end = _check_range(start, end, r.length)
+            start, end = check_range(start, end, r.length)
             r.last_used = next(self._clock)
-            return self._copy_out(r.pages, start, end)
+            kv = copy_out_kv(self._kv, self._layout, r.pages, start, end, self._page_size)
+        return kv[:, 0], kv[:, 1]
 
     def fork(self, route: int, at: int | None = None) -> int:
         """A new route sharing the first `at` positions of `route` (default: all of them).
@@ -311,7 +219,7 @@ class PagePool:
         """
         with self._lock:
             r = self._get(route)
-            at = r.length if at is None else _check_int("at", at)
+            at = r.length if at is None else check_int("at", at)
             if at > r.length:
                 raise ValueError(
                     f"cannot fork route {route} at {at}: it holds {r.length} positions"
@@ -329,7 +237,7 @@ class PagePool:
 
     def truncate(self, route: int, n: int) -> None:
         """Drop positions `>= n`; pages no longer needed lose this route's reference."""
-        n = _check_int("n", n)
+        n = check_int("n", n)
         with self._lock:
             r = self._get(route)
             if n > r.length:
@@ -361,7 +269,7 @@ class PagePool:
                 self._refcount[p] += 1
             r.leases += 1
             lid = next(self._lease_ids)
-            state = _LeaseState(route, tuple(r.pages), r.length)
+            state = LeaseState(route, tuple(r.pages), r.length)
             self._leases[lid] = state
         return Lease(self, lid, state)
 
@@ -404,7 +312,7 @@ class PagePool:
 
         The mark only moves forward (truncate pulls it back to the new length).
         """
-        upto = _check_int("upto", upto)
+        upto = check_int("upto", upto)
         with self._lock:
             r = self._get(route)
             if upto > r.length:
@@ -448,7 +356,7 @@ class PagePool:
         Returns the evicted route ids in order; raises `PoolExhaustedError`
         (changing nothing) when even every evictable route would not be enough.
         """
-        needed = _check_int("pages_needed", pages_needed)
+        needed = check_int("pages_needed", pages_needed)
         with self._lock:
             if needed == 0:
                 return []
@@ -509,7 +417,7 @@ class PagePool:
 
         Hand them to a route with `attach`, or back with `free_reserved`.
         """
-        n = _check_int("n_pages", n_pages)
+        n = check_int("n_pages", n_pages)
         with self._lock:
             if n > len(self._free):
                 raise PoolExhaustedError(
@@ -540,7 +448,7 @@ class PagePool:
         positions checkpointed: restored pages came from the store.
         """
         table = [int(p) for p in pages]
-        length = _check_int("length", length)
+        length = check_int("length", length)
         with self._lock:
             r = self._get(route)
             if r.length or r.pages:
@@ -652,58 +560,3 @@ class PagePool:
         self._refcount[page] -= 1
         if self._refcount[page] == 0:
             self._free.append(page)
-
-    def _check_tokens(self, k: np.ndarray[Any, Any], v: np.ndarray[Any, Any]) -> int:
-        lay = self._layout
-        want = f"[num_layers={lay.num_layers}, n_tokens, num_kv_heads={lay.num_kv_heads}, head_dim={lay.head_dim}] of {self._dtype}"
-        for name, x in (("k", k), ("v", v)):
-            if not isinstance(x, np.ndarray):
-                raise ValueError(
-                    f"{name} must be a numpy array shaped {want}, got {type(x).__name__}"
-                )
-            ok = (
-                x.ndim == 4
-                and x.shape[0] == lay.num_layers
-                and x.shape[2:] == (lay.num_kv_heads, lay.head_dim)
-                and x.dtype == self._dtype
-            )
-            if not ok:
-                raise ValueError(f"{name} must be shaped {want}, got {list(x.shape)} of {x.dtype}")
-        if k.shape != v.shape:
-            raise ValueError(
-                f"k and v must have the same shape, got {list(k.shape)} and {list(v.shape)}"
-            )
-        for name, x in (("k", k), ("v", v)):
-            if lay.dtype == "bfloat16":
-                bad = bool(((x & _BF16_EXPONENT) == _BF16_EXPONENT).any())
-            else:
-                bad = not bool(np.isfinite(x).all())
-            if bad:
-                raise ValueError(f"{name} contains NaN or Inf ({lay.dtype})")
-        return int(k.shape[1])
-
-    def _copy_in(
-        self, pages: list[int], start: int, k: np.ndarray[Any, Any], v: np.ndarray[Any, Any]
-    ) -> None:
-        kv = self._kv
-        for idx, slot, take, s in page_spans(start, start + k.shape[1], self._page_size):
-            kv[:, 0, pages[idx], slot : slot + take] = k[:, s : s + take]
-            kv[:, 1, pages[idx], slot : slot + take] = v[:, s : s + take]
-
-    def _copy_out(
-        self, pages: list[int] | tuple[int, ...], start: int, end: int
-    ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-        kv = self._copy_out_kv(pages, start, end)
-        return kv[:, 0], kv[:, 1]
-
-    def _copy_out_kv(
-        self, pages: list[int] | tuple[int, ...], start: int, end: int
-    ) -> np.ndarray[Any, Any]:
-        lay = self._layout
-        out = np.empty(
-            (lay.num_layers, 2, end - start, lay.num_kv_heads, lay.head_dim), dtype=self._dtype
-        )
-        kv = self._kv
-        for idx, slot, take, s in page_spans(start, end, self._page_size):
-            out[:, :, s : s + take] = kv[:, :, pages[idx], slot : slot + take]
-        return out

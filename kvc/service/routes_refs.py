@@ -11,8 +11,8 @@ from fastapi import APIRouter, Query, Response
 
 from kvc.service.auth import Ns
 from kvc.service.deps import Cat, refusals
-from kvc.wire import (
-    API_PREFIX,
+from kvc.wire import API_PREFIX
+from kvc.wire_refs import (
     CreateRefRequest,
     ForkRefRequest,
     PinList,

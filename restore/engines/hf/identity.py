@@ -1,0 +1,221 @@
+"""What kvc accepts of a transformers model and cache, and the model's identity: checks, layout, fingerprint, token ids."""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import blake3
+import numpy as np
+import torch
+import transformers
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+from catalog import AttentionLayout, Fingerprint
+from catalog.identity import DType, canonical_json, token_array
+from restore.errors import InputError, UnsupportedModelError
+
+DTYPES: dict[torch.dtype, DType] = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+}
+# Config fields that never change a K/V value: names, paths, versions, labels,
+# token ids and output switches. Everything else is part of the fingerprint, so
+# a field this list does not know costs at most a cache miss, never a wrong hit.
+# (The model's dtype is in the execution variant as the KV dtype.)
+_NOT_NUMERIC = frozenset(
+    {
+        "_name_or_path",
+        "_commit_hash",
+        "architectures",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "use_cache",
+        "return_dict",
+        "output_attentions",
+        "output_hidden_states",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "sep_token_id",
+        "decoder_start_token_id",
+        "tokenizer_class",
+        "task_specific_params",
+        "finetuning_task",
+    }
+)
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    return next(t for t, name in DTYPES.items() if name == dtype)
+
+
+def text_config(model: PreTrainedModel) -> Any:
+    return model.config.get_text_config(decoder=True)
+
+
+def check_supported(model: PreTrainedModel) -> None:
+    """Raise `UnsupportedModelError` naming what kvc cannot represent exactly in this model."""
+    if not isinstance(model, PreTrainedModel):
+        raise UnsupportedModelError(
+            f"expected a transformers PreTrainedModel, got {type(model).__name__}"
+        )
+    name = type(model).__name__
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(
+            f"{name} is an encoder-decoder model; kvc supports decoder-only models"
+        )
+    if model.dtype not in DTYPES:
+        raise UnsupportedModelError(
+            f"{name} computes in {model.dtype}; kvc supports float32, float16 and bfloat16"
+        )
+    devices = set((getattr(model, "hf_device_map", None) or {}).values())
+    if len(devices) > 1:
+        raise UnsupportedModelError(
+            f"{name} is dispatched over several devices ({sorted(map(str, devices))}); "
+            "kvc supports a model on one device"
+        )
+    if model.device.type == "meta":
+        raise UnsupportedModelError(f"{name} has weights on the meta device (not loaded)")
+    layers = full_attention_layers(DynamicCache(config=model.config), name)
+    if len(layers) != text_config(model).num_hidden_layers:
+        raise UnsupportedModelError(
+            f"{name} caches {len(layers)} layers for {text_config(model).num_hidden_layers} "
+            "hidden layers (shared or missing KV layers are not supported)"
+        )
+
+
+def check_cache(cache: object) -> list[DynamicLayer]:
+    """The layers of a `DynamicCache` of full-attention layers, or `UnsupportedModelError` naming it."""
+    if isinstance(cache, tuple | list):
+        raise UnsupportedModelError(
+            "legacy tuple caches are not supported: pass the DynamicCache the model returned"
+        )
+    if not isinstance(cache, DynamicCache):
+        raise UnsupportedModelError(
+            f"{type(cache).__name__} is not supported: kvc stores the exact KV of a DynamicCache "
+            "(quantized, static, offloaded and encoder-decoder caches are refused)"
+        )
+    if getattr(cache, "offloading", False):
+        raise UnsupportedModelError("an offloaded DynamicCache is not supported")
+    return full_attention_layers(cache)
+
+
+def full_attention_layers(cache: DynamicCache, owner: str = "the cache") -> list[DynamicLayer]:
+    """The cache's layers, if every one is a full-attention `DynamicLayer` (transformers builds
+    other kinds for sliding-window, chunked, linear-attention and hybrid layers)."""
+    odd = {
+        i: type(layer).__name__
+        for i, layer in enumerate(cache.layers)
+        if type(layer) is not DynamicLayer
+    }
+    if odd:
+        listed = ", ".join(f"{i}: {k}" for i, k in list(odd.items())[:6])
+        raise UnsupportedModelError(
+            f"{owner} has layers that are not full attention ({listed}"
+            f"{', ...' if len(odd) > 6 else ''}): sliding-window, chunked, linear or hybrid "
+            "layers keep a KV that kvc cannot restore exactly"
+        )
+    return cast(list[DynamicLayer], cache.layers)
+
+
+def model_layout(model: PreTrainedModel) -> AttentionLayout:
+    """The K/V a token occupies in this model, from its config and dtype."""
+    cfg = text_config(model)
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return AttentionLayout(cfg.num_hidden_layers, kv_heads, head_dim, DTYPES[model.dtype])
+
+
+def weights_digest(model: PreTrainedModel) -> str:
+    """blake3 over the state dict: every tensor's name, dtype, shape and bytes, in name order."""
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    state = model.state_dict()
+    for name in sorted(state):
+        t = state[name].detach()
+        h.update(canonical_json([name, str(t.dtype), list(t.shape)]))
+        flat = t.to("cpu").contiguous().reshape(-1)
+        h.update(flat.view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def execution_variant(model: PreTrainedModel) -> str:
+    """Everything about how the model runs that can change its K/V numbers."""
+    device = model.device
+    parts: dict[str, object] = {
+        "engine": "transformers",
+        "attn": getattr(model.config, "_attn_implementation", None) or "default",
+        "kv": DTYPES[model.dtype],
+        "device": device.type,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        parts["gpu"] = f"{torch.cuda.get_device_name(device)} sm_{major}{minor}"
+        parts["tf32"] = torch.backends.cuda.matmul.allow_tf32
+    elif device.type == "cpu":
+        parts["cpu"] = torch.backends.cpu.get_cpu_capability()
+    return ";".join(f"{k}={v}" for k, v in sorted(parts.items()))
+
+
+def model_fingerprint(model: PreTrainedModel, *, weights_id: str | None = None) -> Fingerprint:
+    """The fingerprint of a loaded transformers model (see docs/engines.md).
+
+    `weights_id` replaces the weights digest with an immutable revision id the
+    caller vouches for (a hub commit hash, a release tag that is never moved).
+    """
+    check_supported(model)
+    config = text_config(model).to_dict()
+    config = {k: v for k, v in config.items() if k not in _NOT_NUMERIC}
+    if weights_id is not None:
+        if not isinstance(weights_id, str) or not weights_id.strip():
+            raise InputError("weights_id must be a non-empty string (an immutable revision id)")
+        weights = f"revision:{weights_id}"
+    else:
+        weights = f"blake3:{weights_digest(model)}"
+    return Fingerprint.create(
+        weights=weights,
+        architecture=type(model).__name__,
+        config=_json_safe(config),
+        attention_layout=model_layout(model),
+        execution_variant=execution_variant(model),
+    )
+
+
+def _json_safe(value: Any) -> Any:
+    """Config values as JSON data (dtypes and other objects by their string)."""
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)
+
+
+def token_ids(ids: object, what: str = "input_ids") -> np.ndarray[Any, np.dtype[np.uint32]]:
+    """A list of ints, a 1-D tensor or a `[1, T]` tensor as validated uint32 token ids."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() == 2:
+            if ids.shape[0] != 1:
+                raise InputError(
+                    f"{what} is a batch of {ids.shape[0]} rows; kvc checkpoints and restores "
+                    "one sequence per call"
+                )
+            ids = ids[0]
+        if ids.dim() != 1:
+            raise InputError(f"{what} must be 1-D or [1, T], got shape {tuple(ids.shape)}")
+        if ids.is_floating_point() or ids.is_complex():
+            raise InputError(f"{what} must hold integer token ids, got {ids.dtype}")
+        ids = ids.detach().to("cpu").numpy()
+    try:
+        return token_array(ids)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise InputError(f"{what}: {exc}") from exc
