@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter, deque
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -309,6 +310,7 @@ class Daemon:
                 )
             new = route is None
             rid = pool.new_route() if route is None else route
+            started = time.perf_counter()
             try:
                 model.prefill(pool, rid, tokens)
             except ValueError as exc:
@@ -317,6 +319,8 @@ class Daemon:
                 if new:
                     pool.release(rid)
                 raise
+            # What this engine really takes is what the planner weighs restores against.
+            self._planner.observe_prefill(len(tokens), time.perf_counter() - started)
             self._counts["prefills"] += 1
             return {"route": rid, "length": pool.length(rid)}
 

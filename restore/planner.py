@@ -36,8 +36,9 @@ class Decision:
 class Planner:
     """Estimates time to first token per option from rates measured on this deployment.
 
-    Rates are exponentially weighted moving averages of what restores and
-    prefills actually took (`observe_restore`, `observe_prefill`).
+    Restore rates are what `Restorer.tier_rates` measured (`use_measured`); the
+    prefill rate is a moving average of the prefills the engine reported
+    (`observe_prefill`), starting from the rate the engine was configured with.
     """
 
     def __init__(
@@ -65,16 +66,8 @@ class Planner:
                 {t: r for t, r in tier_bytes_per_s.items() if r > 0 and math.isfinite(r)}
             )
 
-    def observe_restore(self, tier: str, nbytes: int, seconds: float) -> None:
-        if nbytes > 0 and seconds > 0:
-            with self._lock:
-                old = self.tier_bytes_per_s.get(tier)
-                rate = nbytes / seconds
-                self.tier_bytes_per_s[tier] = (
-                    rate if old is None else (1 - self._alpha) * old + self._alpha * rate
-                )
-
     def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """Fold a prefill the engine just did into the prefill rate (a moving average)."""
         if tokens > 0 and seconds > 0:
             with self._lock:
                 rate = tokens / seconds

@@ -572,6 +572,21 @@ def test_the_planner_leaves_a_prompt_to_recompute_when_prefill_is_faster(
         b.close()
 
 
+def test_prefills_teach_the_planner_this_engines_rate(
+    cat: Catalog, store: ChunkStore
+) -> None:
+    # Configured absurdly fast; the prefills the daemon runs pull the rate toward what
+    # the engine really does, so a later restore is weighed against real numbers.
+    d, client = planned(cat, store, "P", rate=1e15)
+    try:
+        for _ in range(3):
+            r = client.post("/v1/prefill", json={"tokens": PROMPT})
+            assert r.status_code == 200, r.text
+        assert client.get("/v1/stats").json()["prefill_tokens_per_s"] < 0.6 * 1e15
+    finally:
+        d.close()
+
+
 def test_the_planner_restores_when_prefill_is_slower(
     worker: Start, cat: Catalog, store: ChunkStore
 ) -> None:

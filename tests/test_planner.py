@@ -33,9 +33,11 @@ def test_measured_rates_change_the_decision() -> None:
     p = Planner(prefill_tokens_per_s=10_000, tier_bytes_per_s={"local": 5e9})
     args = {"restorable_tokens": 1000, "restore_bytes": 100_000_000, "tier": "local"}
     assert p.plan(1024, **args).action == "restore"  # type: ignore[arg-type]
-    for _ in range(40):  # the disk turns out to be slow
-        p.observe_restore("local", 100_000_000, 2.0)
+    p.use_measured({"local": 100_000_000 / 2.0})  # the disk turns out to be slow
     assert p.plan(1024, **args).action == "recompute"  # type: ignore[arg-type]
+    for _ in range(40):  # and the engine turns out to be slow too
+        p.observe_prefill(1000, 10.0)
+    assert p.plan(1024, **args).action == "restore"  # type: ignore[arg-type]
 
 
 def test_bad_input() -> None:
