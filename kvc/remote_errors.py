@@ -6,20 +6,15 @@ from typing import NoReturn
 
 import httpx
 
+import catalog.errors
 from catalog.errors import (
     AccessDeniedError,
     CatalogConflictError,
     CatalogError,
     CatalogInputError,
     CatalogUnavailableError,
-    IdentityError,
-    MissingParentError,
     NotFoundError,
     OutcomeUnknownError,
-    PublishError,
-    PurgeInProgressError,
-    RefConflictError,
-    SchemaVersionError,
 )
 
 __all__ = ["raise_error"]
@@ -27,21 +22,9 @@ __all__ = ["raise_error"]
 # The service names the class of a catalog error in its body (`error`); these are
 # raised again by `RemoteCatalog`. A name not in the table falls back to the status's class.
 _BY_NAME: dict[str, type[CatalogError]] = {
-    cls.__name__: cls
-    for cls in (
-        AccessDeniedError,
-        CatalogConflictError,
-        CatalogInputError,
-        CatalogUnavailableError,
-        IdentityError,
-        MissingParentError,
-        NotFoundError,
-        OutcomeUnknownError,
-        PublishError,
-        PurgeInProgressError,
-        RefConflictError,
-        SchemaVersionError,
-    )
+    name: cls
+    for name, cls in vars(catalog.errors).items()
+    if isinstance(cls, type) and issubclass(cls, CatalogError)
 }
 # The class of each 4xx status, when the body names none (or one that is not a subclass).
 _BY_STATUS: dict[int, type[CatalogError]] = {
