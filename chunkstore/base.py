@@ -14,6 +14,10 @@ from typing_extensions import Buffer
 from chunkstore.errors import InvalidKeyError, StoreURLError
 
 _KEY_RE = re.compile(r"[0-9a-f]{64}")
+_DOCUMENT_SEGMENT = re.compile(r"[A-Za-z0-9_.=-]+")
+MAX_DOCUMENT_NAME = 512
+# Where documents live in a store, apart from the blobs (a directory or key prefix).
+DOCUMENTS_DIR = "meta"
 
 # The catalog's tiers (`catalog.models.Tier`, which this package cannot import), best first.
 Tier = Literal["resident", "local", "object"]
@@ -49,6 +53,28 @@ def validate_key(key: object) -> str:
         shown = repr(key) if len(repr(key)) <= 80 else repr(key)[:77] + "..."
         raise InvalidKeyError(f"invalid blob key {shown}: expected 64 lowercase hex characters")
     return key
+
+
+def validate_document_name(name: object) -> str:
+    """Return `name` if it is a document name, else raise `InvalidKeyError`.
+
+    A name is `/`-separated segments of letters, digits and `_ . = -`, none of
+    them `.` or `..`, at most 512 characters: it becomes a relative path or an
+    object key, so nothing can climb out of the documents area.
+    """
+    if (
+        not isinstance(name, str)
+        or not 0 < len(name) <= MAX_DOCUMENT_NAME
+        or any(
+            seg in (".", "..") or _DOCUMENT_SEGMENT.fullmatch(seg) is None
+            for seg in name.split("/")
+        )
+    ):
+        shown = repr(name) if len(repr(name)) <= 80 else repr(name)[:77] + "..."
+        raise InvalidKeyError(
+            f"invalid document name {shown}: `/`-separated segments of [A-Za-z0-9_.=-]"
+        )
+    return name
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +149,27 @@ class ChunkStore(abc.ABC):
     @abc.abstractmethod
     def keys(self) -> Iterator[str]:
         """Iterate over the keys of all stored blobs (never temporary or partial ones)."""
+
+    # -- documents: small named records that describe the store's contents ---------------
+
+    @abc.abstractmethod
+    def put_document(self, name: str, data: bytes) -> bool:
+        """Store `data` under `name` durably unless a document is there; True if this call did.
+
+        Documents are immutable (the first write wins; callers give each record
+        its own name) and live apart from blobs: `keys()` never lists them and GC
+        never deletes them. A reader sees a whole document or none.
+        Raises `InvalidKeyError` for a bad name, `StoreWriteError` /
+        `StoreUnavailableError` as `put` does.
+        """
+
+    @abc.abstractmethod
+    def get_document(self, name: str) -> bytes:
+        """The document's bytes; `BlobNotFoundError` if there is none."""
+
+    @abc.abstractmethod
+    def documents(self, prefix: str = "") -> Iterator[str]:
+        """Names of the stored documents that start with `prefix`, in name order."""
 
     def close(self) -> None:  # noqa: B027 - optional hook, most stores hold nothing
         """Release resources held by the store."""

@@ -15,7 +15,16 @@ from pathlib import Path
 
 from typing_extensions import Buffer
 
-from chunkstore.base import BlobStat, ChunkStore, Receipt, Tier, parse_tier, validate_key
+from chunkstore.base import (
+    DOCUMENTS_DIR,
+    BlobStat,
+    ChunkStore,
+    Receipt,
+    Tier,
+    parse_tier,
+    validate_document_name,
+    validate_key,
+)
 from chunkstore.errors import (
     BlobNotFoundError,
     ChunkIntegrityError,
@@ -252,6 +261,12 @@ class LocalStore(ChunkStore):
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
 
+    def _temp_dirs(self) -> Iterator[Path]:
+        """Every directory a writer puts temp files in: the shards and the documents tree."""
+        yield from self._shard_dirs()
+        for dirpath, _, _ in os.walk(self._root / DOCUMENTS_DIR):
+            yield Path(dirpath)
+
     def _shard_dirs(self) -> Iterator[Path]:
         for top in _subdirs(self._root):
             yield from _subdirs(top)
@@ -267,6 +282,87 @@ class LocalStore(ChunkStore):
                     except ValueError:
                         continue
 
+    # -- documents -------------------------------------------------------------------
+
+    def _document_path(self, name: str) -> Path:
+        return self._root / DOCUMENTS_DIR / validate_document_name(name)
+
+    def put_document(self, name: str, data: bytes) -> bool:
+        final = self._document_path(name)
+        if final.exists():
+            return False
+        created: list[Path] = []
+        for d in reversed(final.parents):
+            if d == self._root or self._root not in d.parents:
+                continue
+            try:
+                d.mkdir()
+                created.append(d)
+            except FileExistsError:
+                continue
+            except OSError as exc:
+                raise StoreWriteError(
+                    f"{self._name}: put of document {name} did not land: {exc.strerror or exc}"
+                ) from exc
+        tmp = final.parent / f"{TEMP_PREFIX}{uuid.uuid4().hex}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, _BLOB_MODE)
+            try:
+                view = memoryview(data)
+                written = 0
+                while written < view.nbytes:
+                    written += os.write(fd, view[written:])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, final)  # never replaces: the first document under a name wins
+            except FileExistsError:
+                return False
+            finally:
+                tmp.unlink()
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise StoreWriteError(
+                f"{self._name}: put of document {name} did not land: {exc.strerror or exc}"
+            ) from exc
+        try:
+            _fsync_dir(final.parent)
+            for d in created:
+                _fsync_dir(d.parent)
+        except OSError as exc:
+            raise StoreUnavailableError(
+                f"{self._name}: document {name} was written but making it durable failed "
+                f"({exc.strerror or exc}); outcome unknown"
+            ) from exc
+        return True
+
+    def get_document(self, name: str) -> bytes:
+        path = self._document_path(name)
+        try:
+            return path.read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise BlobNotFoundError(f"{self._name}: no document {name}") from None
+        except OSError as exc:
+            raise StoreUnavailableError(
+                f"{self._name}: get of document {name} failed: {exc.strerror or exc}"
+            ) from exc
+
+    def documents(self, prefix: str = "") -> Iterator[str]:
+        top = self._root / DOCUMENTS_DIR
+        names: list[str] = []
+        for dirpath, dirnames, filenames in os.walk(top):
+            dirnames.sort()
+            rel = os.path.relpath(dirpath, top)
+            for f in filenames:
+                if f.startswith(TEMP_PREFIX):
+                    continue
+                name = f if rel == "." else f"{rel}/{f}"
+                if name.startswith(prefix):
+                    names.append(name)
+        yield from sorted(names)
+
     def sweep_temp(self, older_than_s: float = DEFAULT_TEMP_GRACE_S) -> int:
         """Remove temp files not modified for `older_than_s` seconds; return how many.
 
@@ -275,8 +371,8 @@ class LocalStore(ChunkStore):
         """
         cutoff = time.time() - older_than_s
         removed = 0
-        for shard in self._shard_dirs():
-            for entry in _entries(shard):
+        for directory in self._temp_dirs():
+            for entry in _entries(directory):
                 if not entry.name.startswith(TEMP_PREFIX):
                     continue
                 try:

@@ -29,7 +29,17 @@ from botocore.exceptions import (
 )
 from typing_extensions import Buffer
 
-from chunkstore.base import BlobStat, ChunkStore, Receipt, Tier, parse_tier, utcnow, validate_key
+from chunkstore.base import (
+    DOCUMENTS_DIR,
+    BlobStat,
+    ChunkStore,
+    Receipt,
+    Tier,
+    parse_tier,
+    utcnow,
+    validate_document_name,
+    validate_key,
+)
 from chunkstore.errors import (
     BlobNotFoundError,
     ChunkIntegrityError,
@@ -231,7 +241,11 @@ class S3Store(ChunkStore):
     def _map_error(
         self, op: str, key: str | None, exc: Exception, *, attempts: int | None = None
     ) -> ChunkStoreError:
-        what = f"{op} of blob {key}" if key else op
+        what = (
+            (f"{op} of {key}" if key.startswith("document ") else f"{op} of blob {key}")
+            if key
+            else op
+        )
         if attempts is None:
             attempts = max(1, getattr(self._attempts, "n", 1))
         tried = f"after {attempts} attempt(s) (retried {attempts - 1} times)"
@@ -242,7 +256,7 @@ class S3Store(ChunkStore):
             message = str(exc.response.get("Error", {}).get("Message", "")).strip()
             detail = f"{code} (HTTP {status}){': ' + message if message else ''}"
             if status == 404 and code in _NOT_FOUND_CODES:
-                return BlobNotFoundError(f"{self._name}: no blob {key}")
+                return BlobNotFoundError(f"{self._name}: no {what.split(' of ', 1)[-1]}")
             if writing and 400 <= status < 500 and status not in (408, 429):
                 return StoreWriteError(f"{self._name}: {what} was rejected, did not land: {detail}")
             outcome = "; outcome unknown" if writing else ""
@@ -533,6 +547,59 @@ class S3Store(ChunkStore):
     def stat(self, key: str) -> BlobStat:
         head = self._head(key)
         return BlobStat(size=int(head["ContentLength"]), mtime=utc(head["LastModified"]))
+
+    # -- documents -------------------------------------------------------------------
+
+    def _document_key(self, name: str) -> str:
+        name = validate_document_name(name)
+        return f"{self.prefix}/{DOCUMENTS_DIR}/{name}" if self.prefix else f"{DOCUMENTS_DIR}/{name}"
+
+    def put_document(self, name: str, data: bytes) -> bool:
+        obj = self._document_key(name)
+        sha_b64, _ = sha256_b64(data)
+        try:
+            self._call(
+                "put",
+                f"document {name}",
+                lambda: self.client.put_object(
+                    Bucket=self.bucket,
+                    Key=obj,
+                    Body=bytes(data),
+                    IfNoneMatch="*",
+                    ChecksumSHA256=sha_b64,
+                    ContentType="application/json",
+                ),
+                passthrough=frozenset({412}),
+            )
+        except ClientError:  # 412: a document is already stored under this name
+            return False
+        return True
+
+    def get_document(self, name: str) -> bytes:
+        obj = self._document_key(name)
+
+        def read() -> bytes:
+            resp = self._call(
+                "get",
+                f"document {name}",
+                lambda: self.client.get_object(Bucket=self.bucket, Key=obj, ChecksumMode="ENABLED"),
+            )
+            return bytes(resp["Body"].read())
+
+        return self._retry_stream(f"document {name}", read)
+
+    def documents(self, prefix: str = "") -> Iterator[str]:
+        top = f"{self.prefix}/{DOCUMENTS_DIR}/" if self.prefix else f"{DOCUMENTS_DIR}/"
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=top + prefix
+        )
+        it = iter(pages)
+        while True:
+            page = self._call("list", None, lambda: next(it, None))
+            if page is None:
+                return
+            for item in page.get("Contents", []):
+                yield item["Key"][len(top) :]
 
     def keys(self) -> Iterator[str]:
         list_prefix = f"{self.prefix}/" if self.prefix else ""

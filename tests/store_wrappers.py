@@ -40,3 +40,12 @@ class Delegating(ChunkStore):
 
     def keys(self) -> Iterator[str]:
         return self.inner.keys()
+
+    def put_document(self, name: str, data: bytes) -> bool:
+        return self.inner.put_document(name, data)
+
+    def get_document(self, name: str) -> bytes:
+        return self.inner.get_document(name)
+
+    def documents(self, prefix: str = "") -> Iterator[str]:
+        return self.inner.documents(prefix)

@@ -314,6 +314,31 @@ class StoreConformance:
         backend.write_foreign("a" * 64 + ".bak", b"not a blob either")
         assert sorted(store.keys()) == sorted(blobs)
 
+    def test_documents_are_immutable_named_records_apart_from_blobs(
+        self, store: ChunkStore
+    ) -> None:
+        key, data = make_blob()
+        store.put(key, data)
+        assert store.put_document("fingerprints/ab", b'{"v": 1}')
+        assert not store.put_document("fingerprints/ab", b'{"v": 2}')  # the first one wins
+        assert store.get_document("fingerprints/ab") == b'{"v": 1}'
+        assert store.put_document("journal/refs/ns/r1/0001-x.json", b"{}")
+        assert store.put_document("journal/refs/ns/r2/0001-y.json", b"[]")
+        assert list(store.documents()) == [
+            "fingerprints/ab",
+            "journal/refs/ns/r1/0001-x.json",
+            "journal/refs/ns/r2/0001-y.json",
+        ]
+        assert list(store.documents("journal/refs/ns/r2")) == ["journal/refs/ns/r2/0001-y.json"]
+        assert list(store.keys()) == [key]  # documents are not blobs
+        with pytest.raises(BlobNotFoundError):
+            store.get_document("fingerprints/cd")
+        for bad in ["", "../x", "a/../../b", "a//b", "/abs", "a/./b", "sp ace", "x" * 600]:
+            with pytest.raises(InvalidKeyError):
+                store.put_document(bad, b"x")
+            with pytest.raises(InvalidKeyError):
+                store.get_document(bad)
+
     def test_delete(self, store: ChunkStore) -> None:
         key, data = make_blob()
         store.put(key, data)
