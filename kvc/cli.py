@@ -9,7 +9,17 @@ import click
 from kvc import __version__
 
 # Subcommand modules, each with `register(cli)`.
-COMMAND_MODULES = ("db", "demo", "inspect", "pins", "maintenance", "rebuild", "serve", "daemon")
+COMMAND_MODULES = (
+    "db",
+    "demo",
+    "inspect",
+    "pins",
+    "maintenance",
+    "rebuild",
+    "backup",
+    "serve",
+    "daemon",
+)
 
 
 @click.group(
