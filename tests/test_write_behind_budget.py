@@ -313,3 +313,27 @@ def test_a_blob_larger_than_the_budget_goes_alone(small: tuple[Catalog, ChunkSto
     cp.close()
     assert cp.write_behind_pending_bytes == 0
     assert sorted(replicas(cat).values(), key=len) == [{"local"}] * 3 + [{"local", "object"}]
+
+
+def test_the_daemon_takes_its_budget_from_the_settings(
+    small: tuple[Catalog, ChunkStore, Held], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvc.daemon import Daemon
+    from kvc.settings import load
+
+    monkeypatch.setenv("KVC_WRITE_BEHIND_BYTES", str(3 * MiB))
+    assert load().write_behind_bytes == 3 * MiB
+    cat, local, remote = small
+    remote.gate.set()
+    d = Daemon(
+        cat,
+        [local, remote],
+        worker_id="wb",
+        invalidation_interval=0,
+        write_behind_bytes=load().write_behind_bytes,
+    )
+    try:
+        assert d._checkpointer.write_behind_bytes == 3 * MiB
+        assert d.stats()["write_behind_pending_bytes"] == 0
+    finally:
+        d.close()
