@@ -17,18 +17,28 @@ from catalog.transactions import Database
 
 log = logging.getLogger(__name__)
 
+# Chunk uses noted and not yet flushed, at most (about 80 bytes each): lookups past
+# it between two flushes are not counted (`dropped`) rather than grow the process.
+MAX_NOTED = 1 << 18
+
 
 class AccessLog:
     """Counts of how often and when each chunk was used by a lookup.
 
     Lookups never write: `note` appends and a background thread folds and
-    flushes every `flush_s` seconds; `close` flushes the rest.
+    flushes every `flush_s` seconds; `close` flushes the rest. At most
+    `max_noted` chunk uses wait for a flush; the uses of a lookup that would
+    pass it are not counted (added to `dropped`): access counts are statistics
+    for GC's ordering, not a promise.
     """
 
-    def __init__(self, db: Database, flush_s: float) -> None:
+    def __init__(self, db: Database, flush_s: float, max_noted: int = MAX_NOTED) -> None:
         self._db = db
         self._flush_s = flush_s
+        self._max_noted = max_noted
         self._noted: list[tuple[str, Shard, list[bytes], datetime]] = []
+        self._noted_prefixes = 0
+        self.dropped = 0  # chunk uses not counted because too many were waiting
         self._lock = threading.Lock()
         self._flusher: threading.Thread | None = None
         self._closing = threading.Event()
@@ -36,6 +46,10 @@ class AccessLog:
     def note(self, prefixes: list[bytes], fp_hex: str, shard: Shard) -> None:
         """Record that a lookup used these chunks (of this fingerprint and shard) now."""
         with self._lock:
+            if self._noted_prefixes + len(prefixes) > self._max_noted:
+                self.dropped += len(prefixes)
+                return
+            self._noted_prefixes += len(prefixes)
             self._noted.append((fp_hex, shard, prefixes, utcnow()))
             if self._flusher is None and not self._closing.is_set():
                 self._flusher = threading.Thread(
@@ -51,6 +65,7 @@ class AccessLog:
         """Write the batched access counts and times now."""
         with self._lock:
             noted, self._noted = self._noted, []
+            self._noted_prefixes = 0
         if not noted:
             return
         pending: dict[tuple[str, bytes, Shard], tuple[int, datetime]] = {}

@@ -33,9 +33,12 @@ from catalog import database
 from catalog.clock import utcnow
 from catalog.errors import CatalogUnavailableError, OutcomeUnknownError, PurgeInProgressError
 from catalog.identity import Fingerprint, chain_root
+from catalog.lru import LRU
 from catalog.schema import Chunk, Event, FingerprintRow, Namespace
 
 T = TypeVar("T")
+
+CACHE_ENTRIES = 4096  # namespaces, and fingerprints, each cache keeps (least recently used go)
 
 _AFTER_COMMIT = "kvc_after_commit"  # conn.info key: callbacks run once the write commits
 _RETRYABLE_PG = {"40001", "40P01"}  # serialization failure, deadlock detected
@@ -86,8 +89,10 @@ class Database:
         self.engine = engine
         self.url = database.safe_url(url)
         self._writer = engine.execution_options(kvc_write=True)
-        self._ns_cache: dict[str, tuple[int, int]] = {}
-        self._fp_cache: dict[str, Fingerprint] = {}
+        # Rows that never change once committed, cached by name / hex; bounded so a
+        # catalog with very many namespaces or fingerprints cannot grow the process.
+        self._ns_cache: LRU[str, tuple[int, int]] = LRU(CACHE_ENTRIES)
+        self._fp_cache: LRU[str, Fingerprint] = LRU(CACHE_ENTRIES)
 
     def _unavailable(self, exc: DBAPIError) -> CatalogUnavailableError:
         detail = str(exc.orig or exc).splitlines()[0] if str(exc.orig or exc) else ""
@@ -185,7 +190,7 @@ class Database:
         if row is None:
             return None
         found = (row[0], row[1])
-        self.after_commit(conn, lambda: self._ns_cache.__setitem__(name, found))
+        self.after_commit(conn, lambda: self._ns_cache.put(name, found))
         return found
 
     def ensure_fingerprint(self, conn: sa.Connection, fp: Fingerprint) -> None:
@@ -199,7 +204,7 @@ class Database:
         )
         # Cached only once committed: a refused publish must not leave the cache
         # believing its fingerprint is catalogued.
-        self.after_commit(conn, lambda: self._fp_cache.__setitem__(fp.hex, fp))
+        self.after_commit(conn, lambda: self._fp_cache.put(fp.hex, fp))
 
     def fingerprint(self, conn: sa.Connection, hex_: str) -> Fingerprint | None:
         """The catalogued fingerprint with this hex, or None."""
@@ -210,7 +215,8 @@ class Database:
             ).scalar()
             if desc is None:
                 return None
-            found = self._fp_cache[hex_] = Fingerprint.from_descriptor(desc)
+            found = Fingerprint.from_descriptor(desc)
+            self._fp_cache.put(hex_, found)
         return found
 
     @staticmethod

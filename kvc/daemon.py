@@ -35,7 +35,7 @@ from catalog.errors import CatalogError, IdentityError, NotFoundError
 from chunkstore import ChunkStore
 from chunkstore.errors import ChunkStoreError
 from kvc import __version__
-from restore.checkpoint import Checkpointer, write_behind_store
+from restore.checkpoint import DEFAULT_WRITE_BEHIND_BYTES, Checkpointer, write_behind_store
 from restore.engines.reference import ReferenceModel
 from restore.errors import (
     CheckpointBusyError,
@@ -154,6 +154,7 @@ class Daemon:
         invalidation_interval: float = DEFAULT_INVALIDATION_INTERVAL,
         prefill_tokens_per_s: float | None = None,
         demand_ttl_s: float = DEFAULT_DEMAND_TTL_S,
+        write_behind_bytes: int = DEFAULT_WRITE_BEHIND_BYTES,
     ) -> None:
         if not isinstance(worker_id, str) or not worker_id.strip():
             raise ValueError("worker_id must be a non-empty string")
@@ -170,7 +171,13 @@ class Daemon:
         self.max_pool_bytes = max_pool_bytes
         wb = write_behind_store(stores[1:])
         self._checkpointer = Checkpointer(
-            catalog, stores[0], namespace, chunk_size, write_behind=wb, actor=self.location
+            catalog,
+            stores[0],
+            namespace,
+            chunk_size,
+            write_behind=wb,
+            actor=self.location,
+            write_behind_bytes=write_behind_bytes,
         )
         self.chunk_size = self._checkpointer.chunk_size
         self._restorer = Restorer(catalog, stores, namespace, actor=self.location)
@@ -411,6 +418,7 @@ class Daemon:
             }
             doc.update({key: self._counts[key] for key in _COUNTS})
             doc["checkpoints_dropped"] = dict(self._checkpointer.dropped)
+            doc["write_behind_pending_bytes"] = self._checkpointer.write_behind_pending_bytes
             return doc
 
     # -- internals -----------------------------------------------------------------

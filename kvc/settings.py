@@ -61,6 +61,15 @@ class Settings(BaseSettings):
         default=None, description="namespace -> sha256(token) for `kvc serve`"
     )
     max_prompt_tokens: int = Field(default=1 << 20, ge=1)
+    max_body_bytes: int = Field(
+        default=64 << 20, ge=1, description="`kvc serve`: larger request bodies are a 413"
+    )
+    write_behind_bytes: int = Field(
+        default=256 << 20,
+        ge=1,
+        description="encoded bytes of write-behind uploads pending at once; past it speculative "
+        "checkpoints skip the object copy and explicit ones wait, then are refused",
+    )
 
     @field_validator("stores", mode="before")
     @classmethod

@@ -29,6 +29,9 @@ from restore.pool import PagePool
 
 log = logging.getLogger(__name__)
 
+DEFAULT_WRITE_BEHIND_BYTES = 256 << 20  # encoded bytes of write-behind uploads pending at once
+DEFAULT_WRITE_BEHIND_WAIT_S = 30.0  # how long an explicit checkpoint waits for room in them
+
 
 def write_behind_store(stores: Sequence[ChunkStore]) -> ChunkStore | None:
     """Of the stores after the first, the one that gets write-behind copies: the first object store."""
@@ -72,6 +75,7 @@ class _Job:
     pending: int | None
     nbytes: int
     future: Future[CheckpointResult]
+    speculative: bool
 
 
 class Checkpointer:
@@ -80,6 +84,12 @@ class Checkpointer:
     `store` is where bytes land first (usually a local directory); with
     `write_behind` (usually an object store) each new blob is also uploaded in
     the background and that replica is catalogued only after its receipt.
+    Uploads not yet done hold at most `write_behind_bytes` of encoded chunks
+    (one chunk larger than that is let through alone): past it, a speculative
+    capture (`submit`) keeps its catalogued local replica but gets no
+    object-store copy (counted in `dropped["write_behind_budget"]`, like a
+    failed upload), and an explicit checkpoint waits up to
+    `write_behind_wait_s` for room, then raises `CheckpointBusyError`.
     A worker that owns a slab of the model passes `shard`: its pool then holds
     only those layers and kv heads, and only that slab is published.
     """
@@ -98,7 +108,13 @@ class Checkpointer:
         staging_bytes: int = 512 << 20,
         actor: str | None = None,
         purge_wait_s: float = 60.0,
+        write_behind_bytes: int = DEFAULT_WRITE_BEHIND_BYTES,
+        write_behind_wait_s: float = DEFAULT_WRITE_BEHIND_WAIT_S,
     ) -> None:
+        if write_behind_bytes < 1:
+            raise ValueError(f"write_behind_bytes must be >= 1, got {write_behind_bytes!r}")
+        if not write_behind_wait_s >= 0:
+            raise ValueError(f"write_behind_wait_s must be >= 0, got {write_behind_wait_s!r}")
         self.catalog = catalog
         self.purge_wait_s = purge_wait_s
         self.store = store
@@ -122,7 +138,11 @@ class Checkpointer:
         self._queued = 0
         self._worker: threading.Thread | None = None
         self._uploads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvc-write-behind")
-        self._upload_futures: list[Future[None]] = []
+        self._upload_futures: set[Future[None]] = set()
+        self.write_behind_bytes = write_behind_bytes
+        self.write_behind_wait_s = write_behind_wait_s
+        self._wb_pending = 0  # encoded bytes of uploads admitted and not yet put (or failed)
+        self._wb_room = threading.Condition(self._lock)
         self._closed = False
 
     # -- synchronous -----------------------------------------------------------
@@ -156,7 +176,7 @@ class Checkpointer:
     ) -> CheckpointResult:
         """Publish the first len(tokens) positions of any `KVSnapshot` (an engine's own cache)."""
         tok, shard = self._check(snapshot, tokens, fingerprint)
-        return self._publish(snapshot, tok, fingerprint, shard, name, pending)
+        return self._publish(snapshot, tok, fingerprint, shard, name, pending, speculative=False)
 
     def _check(
         self,
@@ -197,6 +217,8 @@ class Checkpointer:
         shard: Shard,
         name: str | None,
         pending: int | None,
+        *,
+        speculative: bool,
     ) -> CheckpointResult:
         """Publish, and if a concurrent GC is purging (or has purged) a chunk this
         publish relies on, wait for it to finish and publish again from a new plan (the
@@ -206,7 +228,9 @@ class Checkpointer:
         retries = 0
         while True:
             try:
-                result = self._publish_once(snapshot, tok, fp, shard, name, pending)
+                result = self._publish_once(
+                    snapshot, tok, fp, shard, name, pending, speculative=speculative
+                )
                 result.purge_retries = retries
                 return result
             except (PurgeInProgressError, MissingParentError) as exc:
@@ -227,6 +251,8 @@ class Checkpointer:
         shard: Shard,
         name: str | None,
         pending: int | None,
+        *,
+        speculative: bool,
     ) -> CheckpointResult:
         t0 = time.perf_counter()
         seconds: dict[str, float] = {"capture": 0.0, "encode": 0.0, "store": 0.0}
@@ -268,8 +294,18 @@ class Checkpointer:
                     codec=self.codec,
                 )
                 seconds["encode"] += time.perf_counter() - t
+                # Room for the upload is taken before the local put, so an explicit
+                # checkpoint refused for lack of it leaves no bytes of this chunk.
+                upload = self.write_behind is not None and self._admit_upload(
+                    len(enc.data), speculative
+                )
                 t = time.perf_counter()
-                receipt = self.store.put(enc.key, enc.data)
+                try:
+                    receipt = self.store.put(enc.key, enc.data)
+                except BaseException:
+                    if upload:
+                        self._release_upload(len(enc.data))
+                    raise
                 seconds["store"] += time.perf_counter() - t
                 stored += len(enc.data)
                 records.append(
@@ -288,7 +324,7 @@ class Checkpointer:
                         receipts=[to_replica_receipt(receipt, tier)],
                     )
                 )
-                if self.write_behind is not None:
+                if upload:
                     self._upload_later(enc.key, enc.data, catalogued)
             t = time.perf_counter()
             if records:
@@ -331,25 +367,68 @@ class Checkpointer:
 
     # -- write-behind ------------------------------------------------------------
 
+    @property
+    def write_behind_pending_bytes(self) -> int:
+        """Encoded bytes of write-behind uploads admitted and not yet put (at most
+        `write_behind_bytes`, or one chunk larger than that alone)."""
+        with self._lock:
+            return self._wb_pending
+
+    def _admit_upload(self, nbytes: int, speculative: bool) -> bool:
+        """Take `nbytes` of the write-behind budget: True if taken; False (counted) when a
+        speculative capture finds it full; an explicit one waits, then is refused."""
+
+        def fits() -> bool:
+            return self._wb_pending == 0 or self._wb_pending + nbytes <= self.write_behind_bytes
+
+        with self._wb_room:
+            if not fits():
+                if speculative:
+                    self.dropped["write_behind_budget"] += 1
+                    return False
+                if not self._wb_room.wait_for(fits, timeout=self.write_behind_wait_s):
+                    raise CheckpointBusyError(
+                        f"write-behind uploads busy: {self._wb_pending} of "
+                        f"{self.write_behind_bytes} bytes pending for "
+                        f"{self.write_behind_wait_s:g} s (the object store is slow or down)"
+                    )
+            self._wb_pending += nbytes
+            return True
+
+    def _release_upload(self, nbytes: int) -> None:
+        with self._wb_room:
+            self._wb_pending -= nbytes
+            self._wb_room.notify_all()
+
     def _upload_later(self, key: str, data: bytes, catalogued: Future[bool]) -> None:
-        """Upload now; record the replica once `catalogued` says the chunk's row exists
-        (a replica of a chunk not yet catalogued would be refused, and lost)."""
+        """Upload now (its room in the budget already taken); record the replica once
+        `catalogued` says the chunk's row exists (a replica of a chunk not yet
+        catalogued would be refused, and lost)."""
         target = self.write_behind
         assert target is not None
+        nbytes = len(data)
+        held = [data]  # emptied after the put, so the bytes go as their room is given back
 
         def upload() -> None:
             try:
-                receipt = target.put(key, data)
+                receipt = target.put(key, held.pop())
             except ChunkStoreError as exc:
                 # The local replica is durable and catalogued; the object-store
                 # replica simply does not exist until a later upload succeeds.
                 log.warning("write-behind upload of %s to %s failed: %s", key, target.name, exc)
-                self.dropped["write_behind_failed"] += 1
+                with self._lock:
+                    self.dropped["write_behind_failed"] += 1
                 return
+            finally:
+                held.clear()
+                # Given back before waiting for the catalog: a publish waiting for room
+                # never waits on its own uploads' catalog step.
+                self._release_upload(nbytes)
             if not catalogued.result():
                 # The publish failed: these bytes are an orphan like the local ones,
                 # reclaimed by GC after its grace period.
-                self.dropped["write_behind_unpublished"] += 1
+                with self._lock:
+                    self.dropped["write_behind_unpublished"] += 1
                 return
             try:
                 self.catalog.record_replica(
@@ -362,10 +441,24 @@ class Checkpointer:
                 # GC purged the chunk while it was uploading: the uploaded bytes are an
                 # orphan that a later GC deletes once past its grace period.
                 log.warning("write-behind replica of %s not recorded: %s", key, exc)
-                self.dropped["write_behind_purged"] += 1
+                with self._lock:
+                    self.dropped["write_behind_purged"] += 1
 
         with self._lock:
-            self._upload_futures.append(self._uploads.submit(upload))
+            try:
+                fut = self._uploads.submit(upload)
+            except RuntimeError:  # closed under a publish still running
+                held.clear()
+                self._wb_pending -= nbytes
+                self._wb_room.notify_all()
+                self.dropped["write_behind_closed"] += 1
+                return
+            self._upload_futures.add(fut)
+        fut.add_done_callback(self._upload_done)
+
+    def _upload_done(self, fut: Future[None]) -> None:
+        with self._lock:
+            self._upload_futures.discard(fut)
 
     # -- asynchronous ------------------------------------------------------------
 
@@ -437,7 +530,17 @@ class Checkpointer:
                 self._worker.start()
         fut: Future[CheckpointResult] = Future()
         self._queue.put(
-            _Job(snapshot, release or _nothing, tok, fingerprint, name, pending, nbytes, fut)
+            _Job(
+                snapshot,
+                release or _nothing,
+                tok,
+                fingerprint,
+                name,
+                pending,
+                nbytes,
+                fut,
+                speculative,
+            )
         )
         return fut
 
@@ -449,7 +552,13 @@ class Checkpointer:
             try:
                 shard = self.shard or Shard.full(job.fingerprint.layout)
                 result = self._publish(
-                    job.snapshot, job.tokens, job.fingerprint, shard, job.name, job.pending
+                    job.snapshot,
+                    job.tokens,
+                    job.fingerprint,
+                    shard,
+                    job.name,
+                    job.pending,
+                    speculative=job.speculative,
                 )
                 job.future.set_result(result)
             except BaseException as exc:  # reported through the future, never lost

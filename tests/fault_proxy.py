@@ -31,6 +31,7 @@ Action = Literal[
     "503",  # a ServiceUnavailable answer
     "slowdown",  # 503 with S3's SlowDown error code (throttling)
     "stall",  # read the request, answer nothing for `stall_s`, then close
+    "hold",  # read the request, forward it only once `release` is called (a store that hangs)
     "reset",  # read the request, then reset the connection without an answer
     "stall_body",  # headers and half the body, then nothing for `stall_s`
     "reset_body",  # headers and half the body, then reset the connection
@@ -92,8 +93,10 @@ class FaultProxy:
         self.stall_s = stall_s
         self._faults: list[Fault] = []
         self._seen: list[Seen] = []
+        self._holding = 0
         self._lock = threading.Lock()
         self._closing = threading.Event()
+        self._released = threading.Event()
         self._server = _Server(("127.0.0.1", 0), _Handler)
         self._server.proxy = self
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
@@ -118,10 +121,23 @@ class FaultProxy:
         return fault
 
     def clear(self) -> None:
-        """Drop every rule and forget the requests seen."""
+        """Drop every rule and forget the requests seen (held requests stay held)."""
         with self._lock:
             self._faults.clear()
             self._seen.clear()
+
+    def release(self) -> None:
+        """Forward every request held by a "hold" rule, and any later one, as usual."""
+        self._released.set()
+
+    def hold_again(self) -> None:
+        """Make "hold" rules hold again after `release`."""
+        self._released.clear()
+
+    def held(self) -> int:
+        """How many requests are held right now."""
+        with self._lock:
+            return self._holding
 
     def seen(self, method: str | None = None, key: str | None = None) -> list[Seen]:
         """The requests received so far (oldest first), optionally only for `method` / `key`."""
@@ -133,7 +149,7 @@ class FaultProxy:
             ]
 
     def close(self) -> None:
-        self._closing.set()  # releases stalled handlers
+        self._closing.set()  # releases stalled handlers, and drops held requests
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(10)
@@ -210,6 +226,16 @@ class _Handler(socketserver.BaseRequestHandler):
         if action == "stall":
             proxy._closing.wait(proxy.stall_s)
             return False
+        if action == "hold":
+            with proxy._lock:
+                proxy._holding += 1
+            try:
+                while not proxy._released.wait(0.05):
+                    if proxy._closing.is_set():
+                        return False
+            finally:
+                with proxy._lock:
+                    proxy._holding -= 1
         if action == "reset":
             _reset(sock)
             return False

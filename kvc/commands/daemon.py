@@ -92,6 +92,7 @@ def daemon(
                     chunk_size=settings.chunk_size,
                     page_size=settings.page_size,
                     invalidation_interval=interval,
+                    write_behind_bytes=settings.write_behind_bytes,
                 )
             except (RestoreError, ValueError) as exc:
                 fail(str(exc), EXIT_USAGE)

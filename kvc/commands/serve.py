@@ -83,7 +83,12 @@ def serve(
     if not 1 <= bind_port <= 65535:
         fail(f"--port must be in 1..65535, got {bind_port}", EXIT_USAGE)
     with open_catalog(settings) as cat:
-        app = create_app(cat, tokens, max_prompt_tokens=settings.max_prompt_tokens)
+        app = create_app(
+            cat,
+            tokens,
+            max_prompt_tokens=settings.max_prompt_tokens,
+            max_body_bytes=settings.max_body_bytes,
+        )
         click.echo(
             f"kvc: serving {cat.url} for {len(tokens)} namespace(s) on http://{bind_host}:{bind_port}",
             err=True,

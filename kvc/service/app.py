@@ -29,6 +29,7 @@ from catalog.errors import (
 from kvc.service import routes_catalog, routes_refs, routes_replicas
 from kvc.service.auth import Authenticate
 from kvc.service.deps import PromptLimit
+from kvc.service.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from kvc.service.metrics import CONTENT_TYPE_LATEST, Metrics
 from kvc.wire import NOT_FOUND, Health
 
@@ -138,7 +139,13 @@ def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         return _refused(exc, 503, **{"Retry-After": "1"})
 
 
-def create_app(catalog: Catalog, tokens: Mapping[str, str], *, max_prompt_tokens: int) -> FastAPI:
+def create_app(
+    catalog: Catalog,
+    tokens: Mapping[str, str],
+    *,
+    max_prompt_tokens: int,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
     """The service over `catalog`; `tokens` maps each namespace to the sha256 hex of its bearer token."""
     hashes: dict[str, bytes] = {}
     for ns, h in tokens.items():
@@ -161,6 +168,7 @@ def create_app(catalog: Catalog, tokens: Mapping[str, str], *, max_prompt_tokens
     app.state.prompt_limit = PromptLimit(max_prompt_tokens)
     app.state.token_hashes = hashes
     # Added last, so outermost: `Guard` also covers `Authenticate`.
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(Authenticate, hashes=hashes)
     app.add_middleware(Guard, metrics=metrics)
     _add_error_handlers(app, metrics)

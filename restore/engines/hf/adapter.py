@@ -16,7 +16,12 @@ from catalog.base import CatalogAPI
 from catalog.models import Shard
 from chunkstore import ChunkStore
 from chunkstore.codecs import DEFAULT_CODEC
-from restore.checkpoint import Checkpointer, CheckpointResult, write_behind_store
+from restore.checkpoint import (
+    DEFAULT_WRITE_BEHIND_BYTES,
+    Checkpointer,
+    CheckpointResult,
+    write_behind_store,
+)
 from restore.engines.hf.cache import CacheDestination, CacheSnapshot
 from restore.engines.hf.identity import check_cache, model_fingerprint, token_ids
 from restore.errors import InputError
@@ -51,6 +56,7 @@ class HFAdapter:
         max_parallel: int = 4,
         byte_budget: int = 256 << 20,
         actor: str | None = None,
+        write_behind_bytes: int = DEFAULT_WRITE_BEHIND_BYTES,
     ) -> None:
         if not stores:
             raise InputError("HFAdapter needs at least one store to write to")
@@ -82,6 +88,7 @@ class HFAdapter:
             shard=shard,
             codec=codec,
             actor=actor,
+            write_behind_bytes=write_behind_bytes,
         )
         self.restorer = Restorer(
             catalog,
