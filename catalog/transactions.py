@@ -6,6 +6,8 @@ builds on; nothing outside `catalog/` uses it. It owns:
 - `read()`: a connection for queries;
 - `write()`: a write transaction (SQLite takes the write lock up front with
   `BEGIN IMMEDIATE`); callbacks registered with `after_commit` run once it commits;
+- `changed(conn, change)`: announce a journaled change (`catalog.changes`) to the
+  catalog's listeners once the transaction commits;
 - `retrying(fn)`: runs `fn` (which opens its own `write()`) again on deadlocks,
   serialization failures and a busy SQLite;
 - `hold(conn, prefixes, what)`: share-lock chunk rows against a concurrent GC purge;
@@ -30,6 +32,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from catalog import database
+from catalog.changes import Change, ChangeFeed
 from catalog.clock import utcnow
 from catalog.errors import CatalogUnavailableError, OutcomeUnknownError, PurgeInProgressError
 from catalog.identity import Fingerprint, chain_root
@@ -88,6 +91,7 @@ class Database:
         self._writer = engine.execution_options(kvc_write=True)
         self._ns_cache: dict[str, tuple[int, int]] = {}
         self._fp_cache: dict[str, Fingerprint] = {}
+        self.changes = ChangeFeed()
 
     def _unavailable(self, exc: DBAPIError) -> CatalogUnavailableError:
         detail = str(exc.orig or exc).splitlines()[0] if str(exc.orig or exc) else ""
@@ -141,6 +145,11 @@ class Database:
             fn()
         else:
             pending.append(fn)
+
+    def changed(self, conn: sa.Connection, change: Change) -> None:
+        """Tell the change listeners about `change` once `conn`'s transaction commits."""
+        feed = self.changes
+        self.after_commit(conn, lambda: feed.publish(change))
 
     def retrying(self, fn: Callable[[], T], attempts: int = 8) -> T:
         """Run a write transaction, retrying deadlocks, serialization failures and busy SQLite."""
