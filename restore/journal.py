@@ -301,6 +301,69 @@ def attach_journal(catalog: Catalog, stores: Sequence[ChunkStore]) -> StoreJourn
     return journal
 
 
+def resync_journal(
+    catalog: Catalog, stores: Sequence[ChunkStore], namespaces: Iterable[str] = ()
+) -> int:
+    """Make the journal in `stores` agree with the catalog's refs and pins; return records written.
+
+    What an operator runs after journal failures (`Catalog.journal_failures`, the
+    `change listener failed` log line): for `namespaces` and every namespace the
+    journal already names, each ref or pin whose latest record differs from the
+    catalog gets a record of its current value (at its own `updated_at` /
+    `created_at`), and each name the journal holds that the catalog no longer has
+    gets a removal (at now). Quarantines and purges cannot be recovered this way.
+    Raises `JournalWriteError` when a record did not land in every store.
+    """
+    from catalog.clock import utcnow
+
+    state = read_journal(stores)
+    journal = StoreJournal(stores)
+    wanted = sorted({*namespaces, *(ns for ns, _ in state.refs), *(ns for ns, _ in state.pins)})
+    written = 0
+    for ns in wanted:
+        refs = {r.name: r for r in catalog.list_refs(ns)}
+        pins = {p.name: p for p in catalog.list_pins(ns)}
+        for name, ref in refs.items():
+            rec = state.refs.get((ns, name))
+            if (
+                rec is None
+                or rec.deleted
+                or (
+                    rec.head_hash,
+                    rec.fingerprint,
+                    rec.pending_token,
+                    rec.forked_from,
+                )
+                != (ref.head_hash, ref.fingerprint, ref.pending_token, ref.forked_from)
+            ):
+                journal(RefSet(ref))
+                written += 1
+        for name, pin in pins.items():
+            prec = state.pins.get((ns, name))
+            if (
+                prec is None
+                or prec.deleted
+                or (
+                    prec.prefix_hash,
+                    prec.expires_at,
+                    prec.reason,
+                )
+                != (pin.prefix_hash, pin.expires_at, pin.reason)
+            ):
+                journal(PinSet(pin))
+                written += 1
+        now = utcnow()
+        for (rns, name), rec in state.refs.items():
+            if rns == ns and not rec.deleted and name not in refs:
+                journal(RefDeleted(ns, name, now))
+                written += 1
+        for (pns, name), prec in state.pins.items():
+            if pns == ns and not prec.deleted and name not in pins:
+                journal(PinRemoved(ns, name, now))
+                written += 1
+    return written
+
+
 # -- reading -----------------------------------------------------------------------------
 
 
@@ -481,4 +544,5 @@ __all__ = [
     "attach_journal",
     "encode_change",
     "read_journal",
+    "resync_journal",
 ]

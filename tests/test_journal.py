@@ -327,3 +327,68 @@ def test_round_trip_on_s3(s3_url: str, cat: Catalog, chain: list[bytes]) -> None
     assert state.pins[(NS, "p")].prefix_hash == a1
     assert [q.prefix_hash for q in state.quarantines] == [b2]
     assert state.skipped == [] and state.records == 4
+
+
+def test_the_cli_journals_to_the_configured_stores(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from kvc.cli import cli
+
+    home = tmp_path / "home"
+    home.mkdir()
+    with Catalog.open(f"sqlite:///{home / 'catalog.db'}", upgrade=True) as c:
+        c.ensure_namespace("default", CS)
+        h = publish(c, "default", A)[0].prefix_hash
+    args = ["--home", str(home)]
+    out = CliRunner().invoke(cli, ["pins", "set", "launch", h.hex(), "--reason", "week", *args])
+    assert out.exit_code == 0, out.output
+    with open_store(f"file://{home / 'blobs'}") as s:  # the embedded default's store
+        pin = read_journal([s]).pins[("default", "launch")]
+    assert (pin.prefix_hash, pin.reason, pin.created_by) == (h, "week", "kvc pins set")
+    out = CliRunner().invoke(cli, ["pins", "rm", "launch", *args])
+    assert out.exit_code == 0, out.output
+    with open_store(f"file://{home / 'blobs'}") as s:
+        assert read_journal([s]).pins[("default", "launch")].deleted
+
+
+def test_the_service_exposes_journal_failures(cat: Catalog, chain: list[bytes]) -> None:
+    from fastapi.testclient import TestClient
+
+    from kvc.service import create_app
+
+    def broken(change: Change) -> None:
+        raise OSError("store down")
+
+    app = create_app(cat, {NS: "0" * 64}, max_prompt_tokens=1000)
+    cat.add_change_listener(broken)
+    cat.create_ref(NS, "r", FP, chain[0])
+    with TestClient(app) as client:
+        text = client.get("/metrics").text
+    assert "kvc_journal_failures 1.0" in text
+
+
+def test_resync_repairs_what_failed_journal_writes_left_out(
+    tmp_path: Path, cat: Catalog, chain: list[bytes]
+) -> None:
+    from restore.journal import resync_journal
+
+    a1, a2, _, _ = chain
+    s = LocalStore(tmp_path / "s")
+    journal = attach_journal(cat, [s])
+    cat.create_ref(NS, "moved", FP, a1)
+    cat.create_ref(NS, "deleted", FP, a1)
+    cat.pin(NS, "p", a1)
+    cat.remove_change_listener(journal)  # as if the store refused these writes
+    cat.update_ref(NS, "moved", expected_head=a1, new_head=a2)
+    cat.delete_ref(NS, "deleted")
+    cat.create_ref(NS, "new", FP, a2)
+    stale = read_journal([s])
+    assert stale.refs[(NS, "moved")].head_hash == a1 and not stale.refs[(NS, "deleted")].deleted
+
+    assert resync_journal(cat, [s]) == 3
+    state = read_journal([s])
+    assert state.refs[(NS, "moved")].head_hash == a2
+    assert state.refs[(NS, "deleted")].deleted
+    assert state.refs[(NS, "new")].head_hash == a2
+    assert state.pins[(NS, "p")].prefix_hash == a1
+    assert resync_journal(cat, [s]) == 0  # in agreement now

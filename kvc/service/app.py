@@ -151,6 +151,7 @@ def create_app(catalog: Catalog, tokens: Mapping[str, str], *, max_prompt_tokens
         raise ValueError("max_prompt_tokens must be >= 1")
 
     metrics = Metrics()
+    metrics.watch_journal(lambda: catalog.journal_failures)
     app = FastAPI(
         title="kvc catalog service",
         version="1",
