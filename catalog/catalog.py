@@ -5,6 +5,10 @@ fingerprints, statistics, history), `catalog.publish`, `catalog.lookup`,
 `catalog.replicas`, `catalog.names` (refs, pins, demand), `catalog.lineage`
 (prefix tree, quarantine); all share one `catalog.transactions.Database`.
 `Catalog` puts them together and implements `catalog.base.CatalogAPI`.
+
+Change listeners (`add_change_listener`) are told of every committed change to
+a ref or pin, every quarantine and every chunk GC purges (`catalog.changes`);
+`restore.journal.attach_journal` uses one to journal them to the stores.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from sqlalchemy.exc import DBAPIError
 
 from catalog import database
 from catalog.access import AccessLog
+from catalog.changes import ChangeListener
 from catalog.errors import CatalogUnavailableError
 from catalog.lineage import Lineage
 from catalog.lookup import Lookups
@@ -77,6 +82,27 @@ class Catalog(Namespaces, Publishing, Lookups, Replicas, Names, Lineage):
         """One round trip to the database (health checks); `CatalogUnavailableError` if down."""
         with self.db.read() as conn:
             conn.exec_driver_sql("SELECT 1")
+
+    def add_change_listener(self, fn: ChangeListener) -> None:
+        """Call `fn(change)` after each committed change worth journaling (`catalog.changes`).
+
+        Changes: `RefSet` (create, fork, compare-and-swap move), `RefDeleted`,
+        `PinSet`, `PinRemoved`, `Quarantined`, `ChunkPurged` (a row GC dropped).
+        `fn` runs in the thread that made the change, after its transaction
+        committed (never for a rolled-back or refused one), before the call that
+        made it returns; keep it short. If it raises, the change stays committed
+        and the call still succeeds: the failure is logged and counted in
+        `journal_failures`.
+        """
+        self.db.changes.add(fn)
+
+    def remove_change_listener(self, fn: ChangeListener) -> None:
+        self.db.changes.remove(fn)
+
+    @property
+    def journal_failures(self) -> int:
+        """How many times a change listener (the journal) raised since this catalog was opened."""
+        return self.db.changes.failures
 
     def flush_access(self) -> None:
         """Write batched access counts and times now (lookups batch them; `close` flushes)."""

@@ -7,6 +7,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from catalog.changes import Quarantined
+from catalog.clock import utcnow
 from catalog.errors import (
     CatalogInputError,
     NotFoundError,
@@ -164,6 +166,7 @@ class Lineage:
                     actor,
                     {"reason": reason, "replicas": len(directives)},
                 )
+                self.db.changed(conn, Quarantined(namespace, prefix_hash, reason, utcnow()))
                 for d in directives:
                     self.db.event(
                         conn,

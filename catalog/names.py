@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from datetime import timedelta
+from collections.abc import Callable, Sequence
+from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
+from catalog.changes import Change, PinRemoved, PinSet, RefDeleted, RefSet
 from catalog.clock import utcnow
 from catalog.errors import (
     CatalogInputError,
@@ -97,7 +98,9 @@ class Names:
                     actor,
                     {"head": head_hash.hex(), "forked_from": forked_from},
                 )
-                return self._get_ref(conn, namespace, ns_id, name)
+                ref = self._get_ref(conn, namespace, ns_id, name)
+                self.db.changed(conn, RefSet(ref))
+                return ref
 
         return self.db.retrying(run)
 
@@ -209,7 +212,9 @@ class Names:
                     actor,
                     {"from": expected_head.hex(), "to": new_head.hex()},
                 )
-                return self._get_ref(conn, namespace, ns_id, name)
+                ref = self._get_ref(conn, namespace, ns_id, name)
+                self.db.changed(conn, RefSet(ref))
+                return ref
 
         return self.db.retrying(run)
 
@@ -229,7 +234,7 @@ class Names:
         )
 
     def delete_ref(self, namespace: str, name: str, *, actor: str | None = None) -> None:
-        self._delete_named(Ref, "ref", "ref.delete", namespace, name, actor)
+        self._delete_named(Ref, "ref", "ref.delete", namespace, name, actor, RefDeleted)
 
     def pin(
         self,
@@ -283,14 +288,16 @@ class Names:
                         "reason": reason,
                     },
                 )
-                return PinInfo(namespace, name, prefix_hash, reason, actor, now, expires, True)
+                info = PinInfo(namespace, name, prefix_hash, reason, actor, now, expires, True)
+                self.db.changed(conn, PinSet(info))
+                return info
 
         return self.db.retrying(run)
 
     def unpin(self, namespace: str, name: str, *, actor: str | None = None) -> None:
         """Remove a pin (NotFoundError when there is none by that name)."""
 
-        self._delete_named(Pin, "pin", "pin.remove", namespace, name, actor)
+        self._delete_named(Pin, "pin", "pin.remove", namespace, name, actor, PinRemoved)
 
     def list_pins(self, namespace: str, *, include_expired: bool = True) -> list[PinInfo]:
         """The namespace's pins by name; `live` tells which still protect their prefix."""
@@ -318,7 +325,14 @@ class Names:
         return out if include_expired else [p for p in out if p.live]
 
     def _delete_named(
-        self, table: Any, what: str, event: str, namespace: str, name: str, actor: str | None
+        self,
+        table: Any,
+        what: str,
+        event: str,
+        namespace: str,
+        name: str,
+        actor: str | None,
+        change: Callable[[str, str, datetime], Change],
     ) -> None:
         """Delete the row `name` of a (namespace_id, name) table, with an event; else NotFound."""
 
@@ -335,6 +349,7 @@ class Names:
                 if res is None or res.rowcount != 1:
                     raise NotFoundError(f"no {what} {name!r} in namespace {namespace!r}")
                 self.db.event(conn, event, namespace, name, actor, {})
+                self.db.changed(conn, change(namespace, name, utcnow()))
 
         self.db.retrying(run)
 

@@ -12,10 +12,12 @@ import sqlalchemy as sa
 from sqlalchemy.orm import aliased
 
 from catalog.catalog import Catalog
+from catalog.changes import ChunkPurged, PinRemoved
 from catalog.clock import utcnow
 from catalog.errors import NotFoundError
 from catalog.gc import DeleteBlob, GcItem, GcPlan, load_tree, protected_nodes
-from catalog.schema import Chunk, Event, Pin, PrefixNode, Ref, Replica
+from catalog.models import Shard
+from catalog.schema import Chunk, Event, Namespace, Pin, PrefixNode, Ref, Replica
 
 log = logging.getLogger(__name__)
 
@@ -243,6 +245,7 @@ def _delete_and_drop(
                     )
             removed = 0
             for batch in _batches(sorted(reason_of)):
+                _announce_purged(cat, conn, batch, now)
                 removed += int(
                     conn.execute(
                         sa.delete(Chunk).where(Chunk.id.in_(batch), Chunk.state == "purging")
@@ -274,6 +277,12 @@ def _delete_and_drop(
                 if res.rowcount:
                     prefixes += 1
                     # Only an expired pin can name a purged prefix (a live one is a root).
+                    for pin_ns, pin_name in conn.execute(
+                        sa.select(Namespace.name, Pin.name)
+                        .join(Namespace, Namespace.id == Pin.namespace_id)
+                        .where(Pin.prefix_hash == h)
+                    ):
+                        cat.db.changed(conn, PinRemoved(pin_ns, pin_name, now))
                     conn.execute(sa.delete(Pin).where(Pin.prefix_hash == h))
             _events(
                 conn,
@@ -325,6 +334,30 @@ def _delete_and_drop(
     removed, prefixes = cat.db.retrying(drop)
     result.chunks_removed += removed
     result.prefixes_removed += prefixes
+
+
+def _announce_purged(cat: Catalog, conn: sa.Connection, ids: Sequence[int], now: datetime) -> None:
+    """Tell the change listeners (the journal) about the chunk rows about to be dropped."""
+    for r in conn.execute(
+        sa.select(
+            Namespace.name,
+            Chunk.fingerprint,
+            Chunk.prefix_hash,
+            Chunk.layer_lo,
+            Chunk.layer_hi,
+            Chunk.head_lo,
+            Chunk.head_hi,
+            Chunk.blob_key,
+        )
+        .join(PrefixNode, PrefixNode.prefix_hash == Chunk.prefix_hash)
+        .join(Namespace, Namespace.id == PrefixNode.namespace_id)
+        .where(Chunk.id.in_(ids), Chunk.state == "purging")
+        .order_by(Chunk.id)
+    ):
+        shard = Shard(r.layer_lo, r.layer_hi, r.head_lo, r.head_hi)
+        cat.db.changed(
+            conn, ChunkPurged(r.name, r.fingerprint, r.prefix_hash, shard, r.blob_key, now)
+        )
 
 
 def resume_gc(

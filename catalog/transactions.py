@@ -6,6 +6,8 @@ builds on; nothing outside `catalog/` uses it. It owns:
 - `read()`: a connection for queries;
 - `write()`: a write transaction (SQLite takes the write lock up front with
   `BEGIN IMMEDIATE`); callbacks registered with `after_commit` run once it commits;
+- `changed(conn, change)`: announce a journaled change (`catalog.changes`) to the
+  catalog's listeners once the transaction commits;
 - `retrying(fn)`: runs `fn` (which opens its own `write()`) again on deadlocks,
   serialization failures and a busy SQLite;
 - `hold(conn, prefixes, what)`: share-lock chunk rows against a concurrent GC purge;
@@ -30,6 +32,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
 from catalog import database
+from catalog.changes import Change, ChangeFeed
 from catalog.clock import utcnow
 from catalog.errors import CatalogUnavailableError, OutcomeUnknownError, PurgeInProgressError
 from catalog.identity import Fingerprint, chain_root
@@ -93,6 +96,7 @@ class Database:
         # catalog with very many namespaces or fingerprints cannot grow the process.
         self._ns_cache: LRU[str, tuple[int, int]] = LRU(CACHE_ENTRIES)
         self._fp_cache: LRU[str, Fingerprint] = LRU(CACHE_ENTRIES)
+        self.changes = ChangeFeed()
 
     def _unavailable(self, exc: DBAPIError) -> CatalogUnavailableError:
         detail = str(exc.orig or exc).splitlines()[0] if str(exc.orig or exc) else ""
@@ -146,6 +150,11 @@ class Database:
             fn()
         else:
             pending.append(fn)
+
+    def changed(self, conn: sa.Connection, change: Change) -> None:
+        """Tell the change listeners about `change` once `conn`'s transaction commits."""
+        feed = self.changes
+        self.after_commit(conn, lambda: feed.publish(change))
 
     def retrying(self, fn: Callable[[], T], attempts: int = 8) -> T:
         """Run a write transaction, retrying deadlocks, serialization failures and busy SQLite."""

@@ -67,3 +67,11 @@ class MissingReplicasError(GcRefusedError):
     def __init__(self, message: str, missing: int = 0) -> None:
         super().__init__(message)
         self.missing = missing
+
+
+class JournalWriteError(RestoreError):
+    """A journal record (`restore.journal`) did not land in every store it was meant for.
+
+    The catalog change it describes is committed regardless; see docs/restore.md
+    ("The journal") for what to do.
+    """

@@ -89,8 +89,15 @@ def settings_options(fn: F) -> F:
 
 
 @contextmanager
-def open_catalog(settings: Settings, *, upgrade: bool = False) -> Iterator[Any]:
-    """The configured catalog, with errors turned into one line (exit 2 for configuration)."""
+def open_catalog(
+    settings: Settings, *, upgrade: bool = False, journal: bool = True
+) -> Iterator[Any]:
+    """The configured catalog, with errors turned into one line (exit 2 for configuration).
+
+    With `journal` (the default) every committed ref, pin, quarantine and GC purge
+    is journaled to the configured stores (`settings.resolved_stores`, opened on
+    the first change; docs/format.md, "Journal records").
+    """
     from catalog import Catalog
     from catalog.database import safe_url
     from catalog.errors import CatalogError, CatalogUnavailableError, SchemaVersionError
@@ -110,10 +117,18 @@ def open_catalog(settings: Settings, *, upgrade: bool = False) -> Iterator[Any]:
         fail(
             f"cannot open catalog {safe_url(url)}: {exc.__class__.__name__}: {str(exc).splitlines()[0]}"
         )
+    store_journal = None
+    if journal:
+        from restore.journal import StoreJournal
+
+        store_journal = StoreJournal.from_urls(settings.resolved_stores)
+        cat.add_change_listener(store_journal)
     try:
         yield cat
     finally:
         cat.close()
+        if store_journal is not None:
+            store_journal.close()
 
 
 def open_stores(settings: Settings) -> list[Any]:

@@ -82,7 +82,9 @@ def serve(
     bind_port = port if port is not None else settings.port
     if not 1 <= bind_port <= 65535:
         fail(f"--port must be in 1..65535, got {bind_port}", EXIT_USAGE)
-    with open_catalog(settings) as cat:
+    # Journal refs and pins to the stores the workers write to, when they are configured
+    # (without KVC_STORES the service does not know where the blobs are).
+    with open_catalog(settings, journal=bool(settings.stores)) as cat:
         app = create_app(
             cat,
             tokens,

@@ -158,6 +158,7 @@ def create_app(
         raise ValueError("max_prompt_tokens must be >= 1")
 
     metrics = Metrics()
+    metrics.watch_journal(lambda: catalog.journal_failures)
     app = FastAPI(
         title="kvc catalog service",
         version="1",

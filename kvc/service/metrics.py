@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from collections.abc import Callable
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
 
@@ -30,6 +38,15 @@ class Metrics:
             "kvc_catalog_unavailable",
             "Requests answered 503 or 504 because the catalog's database failed or timed out.",
         )
+
+    def watch_journal(self, failures: Callable[[], float]) -> None:
+        """Expose the catalog's journal failures (`Catalog.journal_failures`), read at scrape time."""
+        Gauge(
+            "kvc_journal_failures",
+            "Journal records (refs, pins, quarantine, GC purges) that did not reach every store "
+            "since the service started.",
+            registry=self.registry,
+        ).set_function(failures)
 
     def exposition(self) -> bytes:
         """The Prometheus text exposition (`CONTENT_TYPE_LATEST`)."""
