@@ -23,6 +23,7 @@ from chunkstore import ChunkStore, Receipt, Tier
 from chunkstore.codecs import DEFAULT_CODEC
 from chunkstore.errors import ChunkStoreError
 from chunkstore.record import check_finite, encode_chunk
+from restore.descriptors import store_descriptor
 from restore.destination import KVSnapshot
 from restore.errors import CheckpointBusyError, RestoreError
 from restore.pool import PagePool
@@ -82,6 +83,11 @@ class Checkpointer:
     the background and that replica is catalogued only after its receipt.
     A worker that owns a slab of the model passes `shard`: its pool then holds
     only those layers and kv heads, and only that slab is published.
+
+    Every store a blob goes to also gets the blob's fingerprint descriptor (the
+    document `fingerprints/<hex>`, restore/descriptors.py), written before the
+    first blob that names it, once per store and fingerprint: the store then
+    describes itself and `rebuild` needs nothing else.
     """
 
     def __init__(
@@ -123,6 +129,7 @@ class Checkpointer:
         self._worker: threading.Thread | None = None
         self._uploads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvc-write-behind")
         self._upload_futures: list[Future[None]] = []
+        self._described: set[tuple[str, str]] = set()  # (store name, fingerprint hex) written
         self._closed = False
 
     # -- synchronous -----------------------------------------------------------
@@ -247,6 +254,8 @@ class Checkpointer:
         parents = [chain_root(self.namespace), *hashes[:-1]]
         catalogued: Future[bool] = Future()  # tells write-behind uploads when to record
         try:
+            if new:
+                self._describe(self.store, fp)  # the descriptor before the first blob naming it
             for i, h in new:
                 start, end = i * cs, min(len(tok), (i + 1) * cs)
                 parent = parents[i]
@@ -289,7 +298,7 @@ class Checkpointer:
                     )
                 )
                 if self.write_behind is not None:
-                    self._upload_later(enc.key, enc.data, catalogued)
+                    self._upload_later(enc.key, enc.data, fp, catalogued)
             t = time.perf_counter()
             if records:
                 self.catalog.record_chunks(records, actor=self.actor)
@@ -329,9 +338,25 @@ class Checkpointer:
             actor=self.actor,
         )
 
+    def _describe(self, store: ChunkStore, fp: Fingerprint) -> None:
+        """Make sure `store` holds `fp`'s descriptor before a blob naming it is put there.
+
+        Once per (store, fingerprint) for this checkpointer; a failure raises (the
+        blob is then not put either), so no blob it writes lacks its descriptor.
+        """
+        ident = (store.name, fp.hex)
+        with self._lock:
+            if ident in self._described:
+                return
+        store_descriptor(store, fp)  # idempotent: concurrent writers are harmless
+        with self._lock:
+            self._described.add(ident)
+
     # -- write-behind ------------------------------------------------------------
 
-    def _upload_later(self, key: str, data: bytes, catalogued: Future[bool]) -> None:
+    def _upload_later(
+        self, key: str, data: bytes, fp: Fingerprint, catalogued: Future[bool]
+    ) -> None:
         """Upload now; record the replica once `catalogued` says the chunk's row exists
         (a replica of a chunk not yet catalogued would be refused, and lost)."""
         target = self.write_behind
@@ -339,6 +364,7 @@ class Checkpointer:
 
         def upload() -> None:
             try:
+                self._describe(target, fp)
                 receipt = target.put(key, data)
             except ChunkStoreError as exc:
                 # The local replica is durable and catalogued; the object-store
