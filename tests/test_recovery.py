@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -390,3 +391,19 @@ def test_cli_several_stores_json_and_dry_run(parts: Parts) -> None:
 
     twice = run_cli(parts.tmp, "rebuild", "--from", parts.a_url, "--from", parts.a_url)
     assert twice.returncode == 2 and "twice" in twice.stderr
+
+
+def test_fsck_repair_into_a_store_also_restores_its_descriptor(tmp_path: Path) -> None:
+    from restore.fsck import fsck
+
+    a = open_store(f"file://{tmp_path / 'a'}")
+    b = open_store(f"file://{tmp_path / 'b'}?tier=object")
+    with Catalog.open(f"sqlite:///{tmp_path / 'c.db'}", upgrade=True) as cat:
+        checkpoint(cat, a, [R], write_behind=b)
+        shutil.rmtree(tmp_path / "b")  # the object store lost everything, documents included
+        b = open_store(f"file://{tmp_path / 'b'}?tier=object")
+        report = fsck(cat, [a, b])
+        assert len(report.repaired) == 2
+    assert read_descriptor(b, FP.hex) == FP  # B describes its blobs again
+    a.close()
+    b.close()
