@@ -23,6 +23,7 @@ from chunkstore import ChunkStore, Receipt, Tier
 from chunkstore.codecs import DEFAULT_CODEC
 from chunkstore.errors import ChunkStoreError
 from chunkstore.record import check_finite, encode_chunk
+from restore.descriptors import store_descriptor
 from restore.destination import KVSnapshot
 from restore.errors import CheckpointBusyError, RestoreError
 from restore.pool import PagePool
@@ -92,6 +93,11 @@ class Checkpointer:
     `write_behind_wait_s` for room, then raises `CheckpointBusyError`.
     A worker that owns a slab of the model passes `shard`: its pool then holds
     only those layers and kv heads, and only that slab is published.
+
+    Every store a blob goes to also gets the blob's fingerprint descriptor (the
+    document `fingerprints/<hex>`, restore/descriptors.py), written before the
+    first blob that names it, once per store and fingerprint: the store then
+    describes itself and `rebuild` needs nothing else.
     """
 
     def __init__(
@@ -143,6 +149,7 @@ class Checkpointer:
         self.write_behind_wait_s = write_behind_wait_s
         self._wb_pending = 0  # encoded bytes of uploads admitted and not yet put (or failed)
         self._wb_room = threading.Condition(self._lock)
+        self._described: set[tuple[str, str]] = set()  # (store name, fingerprint hex) written
         self._closed = False
 
     # -- synchronous -----------------------------------------------------------
@@ -273,6 +280,8 @@ class Checkpointer:
         parents = [chain_root(self.namespace), *hashes[:-1]]
         catalogued: Future[bool] = Future()  # tells write-behind uploads when to record
         try:
+            if new:
+                self._describe(self.store, fp)  # the descriptor before the first blob naming it
             for i, h in new:
                 start, end = i * cs, min(len(tok), (i + 1) * cs)
                 parent = parents[i]
@@ -325,7 +334,7 @@ class Checkpointer:
                     )
                 )
                 if upload:
-                    self._upload_later(enc.key, enc.data, catalogued)
+                    self._upload_later(enc.key, enc.data, fp, catalogued)
             t = time.perf_counter()
             if records:
                 self.catalog.record_chunks(records, actor=self.actor)
@@ -365,6 +374,20 @@ class Checkpointer:
             actor=self.actor,
         )
 
+    def _describe(self, store: ChunkStore, fp: Fingerprint) -> None:
+        """Make sure `store` holds `fp`'s descriptor before a blob naming it is put there.
+
+        Once per (store, fingerprint) for this checkpointer; a failure raises (the
+        blob is then not put either), so no blob it writes lacks its descriptor.
+        """
+        ident = (store.name, fp.hex)
+        with self._lock:
+            if ident in self._described:
+                return
+        store_descriptor(store, fp)  # idempotent: concurrent writers are harmless
+        with self._lock:
+            self._described.add(ident)
+
     # -- write-behind ------------------------------------------------------------
 
     @property
@@ -400,7 +423,9 @@ class Checkpointer:
             self._wb_pending -= nbytes
             self._wb_room.notify_all()
 
-    def _upload_later(self, key: str, data: bytes, catalogued: Future[bool]) -> None:
+    def _upload_later(
+        self, key: str, data: bytes, fp: Fingerprint, catalogued: Future[bool]
+    ) -> None:
         """Upload now (its room in the budget already taken); record the replica once
         `catalogued` says the chunk's row exists (a replica of a chunk not yet
         catalogued would be refused, and lost)."""
@@ -411,6 +436,7 @@ class Checkpointer:
 
         def upload() -> None:
             try:
+                self._describe(target, fp)
                 receipt = target.put(key, held.pop())
             except ChunkStoreError as exc:
                 # The local replica is durable and catalogued; the object-store

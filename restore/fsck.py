@@ -31,6 +31,7 @@ from chunkstore.errors import (
 )
 from chunkstore.record import decode_chunk
 from restore.checkpoint import to_replica_receipt
+from restore.descriptors import store_descriptor
 from restore.errors import InputError
 from restore.progress import Progress
 
@@ -231,8 +232,11 @@ def _repair(
                 continue
             try:
                 data = bytes(src.get(key))
-                decode_chunk(data, expected_key=key)  # never copy bytes that do not verify
+                header = decode_chunk(data, expected_key=key).header  # only verified bytes
                 target = stores[loc]
+                fp = catalog.get_fingerprint(header.fingerprint)
+                if fp is not None:  # the store keeps describing its own blobs
+                    store_descriptor(target, fp)
                 target.delete(key)  # a same-size corrupt copy would otherwise be kept
                 receipt = target.put(key, data)
             except (ChunkStoreError, OSError, ValueError):

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 # Called as progress(stage, done, total): `stage` names the phase ("fsck", "gc resume",
-# "gc purge", "gc <store name>", "rebuild"), `done` counts the items handled so far in that phase,
-# `total` is how many there are, or None while a listing or purge is still counting.
+# "gc purge", "gc <store name>", "rebuild read", "rebuild record"), `done` counts the items
+# handled so far in that phase, `total` is how many there are, or None while a listing or
+# purge is still counting.
 Progress = Callable[[str, int, int | None], None]
 
 

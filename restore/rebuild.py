@@ -1,71 +1,113 @@
-"""Rebuild: recreate a lost catalog's chunk facts from the blob headers in a store (ARCHITECTURE 9).
+"""Rebuild: recreate a lost catalog from the stores alone (ARCHITECTURE 9, docs/operations.md).
 
-Every record's header names its fingerprint (by hex), namespace, prefix and
-parent hash, token ids and shard, which is all a catalog row needs except the
-fingerprint's *descriptor*: that is taken from the target catalog when it
-already knows the hex, or from the `fingerprints` the caller passes. Chunks
-of a fingerprint known to neither are skipped and their hex is reported.
+A store describes itself: every blob's header names its fingerprint (by
+hex), namespace, prefix and parent hash, token ids and shard, and the
+fingerprint's descriptor is a verified document in the same store
+(`fingerprints/<hex>`, restore/descriptors.py). `rebuild` reads every store
+given, merges what they hold (one chunk per (fingerprint, prefix, shard), one
+replica per store holding a good copy, in that store's tier) and records it:
 
-What cannot be rebuilt: refs (named continuations), pins, demands, access
-statistics, quarantine marks and the event history live only in the catalog.
-Replicas in other stores are not rediscovered either: run rebuild once per
-store (it is idempotent, and a second store only adds replica rows).
+1. descriptors: the target catalog's, the stores' (verified; a bad document
+   is reported and never trusted), and any the caller passes (for blobs
+   written before stores held descriptors);
+2. blobs: every copy in every store is read and verified (`scan_stores`);
+3. chunks: namespace by namespace, parents first, in batches; only what is
+   missing is added. A chunk the catalog (or an earlier copy) already has
+   with another blob key is a conflict: reported, never overwritten;
+4. refs, pins and quarantines: from the journal (not applied yet, see the
+   step in `rebuild`).
 
-Skipped, never an error: corrupt or unreadable blobs, chunks of an unknown
-fingerprint, chunks that do not fit their namespace or fingerprint, and
-orphans (a chunk whose parent prefix is neither in the store nor catalogued;
-its whole subtree goes with it).
+With `dry_run` steps 1-3 read and verify everything and report what would be
+added; nothing is written (the catalog may even be absent: `catalog=None`).
+
+Skipped, never an error: corrupt or unreadable copies (another store's good
+copy still counts), chunks of an unknown fingerprint, chunks that do not fit
+their namespace or fingerprint, and orphans (a chunk whose parent prefix is
+neither in the stores nor catalogued; its whole subtree goes with it).
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from catalog import Fingerprint, chain_hash, chain_root
 from catalog.catalog import Catalog
 from catalog.errors import CatalogError, IdentityError, NotFoundError, PublishError
-from catalog.models import ChunkRecord, ReplicaReceipt, Shard
+from catalog.models import ChunkRecord, Shard
 from chunkstore import ChunkStore
-from chunkstore.base import Tier
-from chunkstore.errors import ChunkStoreError
-from chunkstore.record import ChunkHeader, decode_chunk, read_header
+from restore.descriptors import load_descriptors
 from restore.progress import Progress
+from restore.rebuild_scan import StoredBlob, scan_stores
 
 log = logging.getLogger(__name__)
 
 BATCH = 256  # chunk records per catalog transaction
 
-REFS_NOTE = (
-    "refs (named continuations), pins, demands and events live only in the catalog "
-    "and cannot be rebuilt from blobs; a ref comes back when its conversation is checkpointed again"
+NOT_RECOVERED = (
+    "refs (named continuations), pins and quarantine marks come from the store journal, "
+    "which this rebuild does not apply yet; demands, access statistics and the event history "
+    "are not recovered"
 )
+
+_Ident = tuple[str, bytes, int, int, int, int]  # (fingerprint hex, prefix hash, shard bounds)
+
+
+@dataclass(frozen=True)
+class RebuildConflict:
+    """A blob for a (fingerprint, prefix, shard) the catalog (or an earlier copy) holds with another key."""
+
+    fingerprint: str
+    prefix_hash: bytes
+    shard: tuple[int, int, int, int]  # layer_lo, layer_hi, head_lo, head_hi
+    kept: str
+    rejected: str
+    stores: tuple[str, ...]  # where the rejected blob is
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "fingerprint": self.fingerprint,
+            "prefix_hash": self.prefix_hash.hex(),
+            "shard": list(self.shard),
+            "kept": self.kept,
+            "rejected": self.rejected,
+            "stores": list(self.stores),
+        }
 
 
 @dataclass
 class RebuildReport:
-    """What a rebuild found and did. `complete` is true when no blob was skipped."""
+    """What a rebuild found and did (with `dry_run`: would do). `complete`: nothing to report."""
 
-    store: str
-    blobs: int = 0
-    recorded: int = 0
+    stores: list[str]
+    dry_run: bool = False
+    blobs: int = 0  # distinct blob keys over all stores
+    copies: dict[str, int] = field(default_factory=dict)  # store name -> blobs listed there
+    descriptors: int = 0  # verified fingerprint descriptors found in the stores
+    rejected_descriptors: dict[str, str] = field(default_factory=dict)  # "store doc" -> why
+    fingerprints_added: list[str] = field(default_factory=list)
+    namespaces: dict[str, int] = field(default_factory=dict)  # name -> chunk size used
+    namespaces_added: list[str] = field(default_factory=list)
+    recorded: int = 0  # chunks new to the catalog
     already_present: int = 0
     replicas_added: int = 0
-    conflicts: int = 0
-    namespaces: dict[str, int] = field(default_factory=dict)  # name -> chunk size used
-    corrupt: list[str] = field(default_factory=list)  # blob keys
+    conflicts: list[RebuildConflict] = field(default_factory=list)
+    corrupt: dict[str, dict[str, str]] = field(default_factory=dict)  # key -> {store: why}
+    lost: list[str] = field(default_factory=list)  # keys with no good copy in any store
+    unlisted: dict[str, str] = field(default_factory=dict)  # store -> why it could not be listed
     unknown_fingerprints: dict[str, int] = field(default_factory=dict)  # hex -> chunks skipped
     orphans: list[str] = field(default_factory=list)  # blob keys
     invalid: dict[str, str] = field(default_factory=dict)  # blob key -> why
-    refs_note: str = REFS_NOTE
+    not_recovered: str = NOT_RECOVERED
 
     @property
     def skipped(self) -> int:
+        """Blobs that were not (would not be) catalogued for a problem of their own."""
         return (
-            len(self.corrupt)
+            len(self.lost)
             + sum(self.unknown_fingerprints.values())
             + len(self.orphans)
             + len(self.invalid)
@@ -73,89 +115,169 @@ class RebuildReport:
 
     @property
     def complete(self) -> bool:
-        return self.skipped == 0
+        return not (
+            self.skipped
+            or self.corrupt
+            or self.conflicts
+            or self.rejected_descriptors
+            or self.unlisted
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "store": self.store,
+            "stores": list(self.stores),
+            "dry_run": self.dry_run,
             "blobs": self.blobs,
+            "copies": dict(self.copies),
+            "descriptors": self.descriptors,
+            "rejected_descriptors": dict(self.rejected_descriptors),
+            "fingerprints_added": list(self.fingerprints_added),
+            "namespaces": dict(self.namespaces),
+            "namespaces_added": list(self.namespaces_added),
             "recorded": self.recorded,
             "already_present": self.already_present,
             "replicas_added": self.replicas_added,
-            "conflicts": self.conflicts,
-            "namespaces": dict(self.namespaces),
+            "conflicts": [c.to_dict() for c in self.conflicts],
             "skipped": self.skipped,
-            "corrupt": list(self.corrupt),
+            "corrupt": {k: dict(v) for k, v in self.corrupt.items()},
+            "lost": list(self.lost),
+            "unlisted": dict(self.unlisted),
             "unknown_fingerprints": dict(self.unknown_fingerprints),
             "orphans": list(self.orphans),
             "invalid": dict(self.invalid),
             "complete": self.complete,
-            "refs": self.refs_note,
+            "not_recovered": self.not_recovered,
         }
 
 
 @dataclass(frozen=True)
 class _Blob:
-    key: str
-    header: ChunkHeader
+    stored: StoredBlob
     fingerprint: Fingerprint
-    receipt: ReplicaReceipt
+
+    @property
+    def key(self) -> str:
+        return self.stored.key
+
+    @property
+    def first_stored(self) -> Any:
+        return min(r.stored_at for r in self.stored.receipts)
+
+
+class _View:
+    """The read-only questions a rebuild asks the target catalog; no catalog reads as empty."""
+
+    def __init__(self, catalog: Catalog | None) -> None:
+        self.catalog = catalog
+        self._replicas: dict[tuple[str, str], set[str]] = {}
+
+    def fingerprint(self, hex_: str) -> Fingerprint | None:
+        return None if self.catalog is None else self.catalog.get_fingerprint(hex_)
+
+    def chunk_size(self, ns: str) -> int | None:
+        return None if self.catalog is None else self.catalog.namespace_chunk_size(ns)
+
+    def prefix_end(self, ns: str, prefix: bytes) -> int | None:
+        if self.catalog is None:
+            return None
+        try:
+            return self.catalog.get_prefix(ns, prefix).token_end
+        except NotFoundError:
+            return None
+
+    def kept_keys(self, ns: str, fp: str, prefixes: list[bytes], shard: Shard) -> dict[bytes, str]:
+        if self.catalog is None:
+            return {}
+        return self.catalog.known_blob_keys(ns, fp, prefixes, shard)
+
+    def has_replica(self, ns: str, location: str, key: str) -> bool:
+        if self.catalog is None:
+            return False
+        if (ns, location) not in self._replicas:
+            self._replicas[ns, location] = set(self.catalog.replicas_at(location, namespace=ns))
+        return key in self._replicas[ns, location]
 
 
 def rebuild(
-    catalog: Catalog,
-    store: ChunkStore,
+    catalog: Catalog | None,
+    stores: ChunkStore | Sequence[ChunkStore],
     *,
     fingerprints: Mapping[str, Fingerprint] | None = None,
     verify: bool = True,
     chunk_size: int | None = None,
+    dry_run: bool = False,
     progress: Progress | None = None,
     actor: str | None = "rebuild",
 ) -> RebuildReport:
-    """Record every chunk found in `store` into `catalog` (idempotent); return what happened.
+    """Record into `catalog` what `stores` hold and it lacks (idempotent); return what happened.
 
-    `fingerprints` maps hex to `Fingerprint` for those the catalog does not
-    know yet. With `verify`, each blob is read whole and checked against its
-    key (`decode_chunk`); without, only its header is parsed (its own digest
-    still checked). A new namespace's chunk size is inferred from a chunk
-    that has a child in the store (its length is the chunk size); when no
-    chunk has one, `chunk_size` is used, else the longest root chunk.
-    `progress("rebuild", done, total)` is called after each blob.
+    `fingerprints` maps hex to `Fingerprint` for blobs whose store holds no
+    descriptor (written before descriptors were stored) and that the catalog
+    does not know. With `verify`, every copy is read whole and checked
+    against its key; without, only headers are parsed. A new namespace's chunk
+    size is inferred from a chunk that has a child (its length is the chunk
+    size); when no chunk has one, `chunk_size` is used, else the longest root
+    chunk. With `dry_run` nothing is written and `catalog` may be None (an
+    empty catalog). `progress(stage, done, total)` is called per copy read
+    ("rebuild read") and per batch recorded ("rebuild record").
     """
-    report = RebuildReport(store=store.name)
+    store_list = [stores] if isinstance(stores, ChunkStore) else list(stores)
+    names = [s.name for s in store_list]
+    if not store_list:
+        raise ValueError("rebuild needs at least one store")
+    if len(set(names)) != len(names):
+        raise ValueError(
+            f"a store is given twice: {sorted(n for n in names if names.count(n) > 1)[0]}"
+        )
+    if catalog is None and not dry_run:
+        raise ValueError("only a dry run may go without a catalog")
+    report = RebuildReport(stores=names, dry_run=dry_run)
+    view = _View(catalog)
+
+    # Step 1: descriptors. All are verified against their hex, so their sources agree.
     given: dict[str, Fingerprint] = {}
     for hex_, given_fp in (fingerprints or {}).items():
         if given_fp.hex != hex_:
             raise IdentityError(f"fingerprint given for {hex_} hashes to {given_fp.hex}")
         given[hex_] = given_fp
+    loaded = load_descriptors(store_list)
+    report.descriptors = len(loaded.found)
+    report.rejected_descriptors = dict(sorted(loaded.rejected.items()))
     resolved: dict[str, Fingerprint | None] = {}
-    unknown: Counter[str] = Counter()
+    new_fps: set[str] = set()
 
     def resolve(hex_: str) -> Fingerprint | None:
         if hex_ not in resolved:
-            resolved[hex_] = catalog.get_fingerprint(hex_) or given.get(hex_)
+            fp = view.fingerprint(hex_)
+            if fp is None:
+                fp = loaded.found.get(hex_) or given.get(hex_)
+                if fp is not None:
+                    new_fps.add(hex_)
+            resolved[hex_] = fp
         return resolved[hex_]
 
-    keys = list(store.keys())
-    report.blobs = len(keys)
-    tier = store.tier
-    blobs: list[_Blob] = []
-    for done, key in enumerate(keys, 1):
-        blob = _read(store, key, verify, tier, report)
-        if blob is not None:
-            header, receipt = blob
-            fp = resolve(header.fingerprint)
-            if fp is None:
-                unknown[header.fingerprint] += 1
-            else:
-                blobs.append(_Blob(key, header, fp, receipt))
-        if progress is not None:
-            progress("rebuild", done, len(keys))
+    # Step 2: every copy in every store, read and verified, merged by key.
+    scan = scan_stores(store_list, verify=verify, progress=progress)
+    report.copies = scan.copies
+    report.unlisted = scan.unlisted
+    report.corrupt = dict(sorted(scan.damaged.items()))
+    report.lost = scan.lost
+    report.blobs = len(scan.blobs) + len(report.lost)
+    unknown: Counter[str] = Counter()
+    by_ns: dict[str, list[_Blob]] = {}
+    for key in sorted(scan.blobs):
+        stored = scan.blobs[key]
+        fp = resolve(stored.header.fingerprint)
+        if fp is None:
+            unknown[stored.header.fingerprint] += 1
+        else:
+            by_ns.setdefault(stored.header.namespace, []).append(_Blob(stored, fp))
     report.unknown_fingerprints = dict(sorted(unknown.items()))
 
-    by_ns: dict[str, list[_Blob]] = {}
-    for b in blobs:
-        by_ns.setdefault(b.header.namespace, []).append(b)
+    # Step 3: chunks, namespace by namespace, parents first; conflicts are never written.
+    total = sum(len(g) for g in by_ns.values())
+    done = 0
+    used_fps: set[str] = set()
     for ns in sorted(by_ns):
         group = by_ns[ns]
         try:
@@ -164,55 +286,53 @@ def rebuild(
             for b in group:
                 report.invalid[b.key] = str(exc)
             continue
-        existing = catalog.namespace_chunk_size(ns)
-        cs = existing or catalog.ensure_namespace(ns, _infer_chunk_size(group, chunk_size))
+        cs = view.chunk_size(ns)
+        if cs is None:
+            cs = _infer_chunk_size(group, chunk_size)
+            report.namespaces_added.append(ns)
+            if catalog is not None and not dry_run:
+                cs = catalog.ensure_namespace(ns, cs)
         report.namespaces[ns] = cs
-        records = _linked_records(catalog, ns, cs, group, report)
+        records = _classify(view, ns, _linked_records(view, ns, cs, group, report), report)
+        used_fps.update(r.fingerprint.hex for r in records)
         for i in range(0, len(records), BATCH):
-            _record(catalog, records[i : i + BATCH], actor, report)
+            batch = records[i : i + BATCH]
+            if catalog is not None and not dry_run:
+                _record(catalog, batch, actor, report)
+            done += len(batch)
+            if progress is not None:
+                progress("rebuild record", done, total)
+    report.fingerprints_added = sorted(new_fps & used_fps)
     report.orphans.sort()
+
+    # Step 4: refs, pins and quarantine marks (the journal). Not applied yet: the journal
+    # (documents under `journal/` in the stores, read by `restore.journal.read_journal(stores)`)
+    # is applied here, after every chunk is recorded (a ref's head, a pin's prefix and a
+    # quarantined node must exist first), merged over `store_list`, adding only what the
+    # catalog lacks and reporting what disagrees, writing nothing in a dry run. Until then
+    # `report.not_recovered` says what a rebuild leaves out.
     return report
-
-
-def _read(
-    store: ChunkStore, key: str, verify: bool, tier: Tier, report: RebuildReport
-) -> tuple[ChunkHeader, ReplicaReceipt] | None:
-    try:
-        stat = store.stat(key)
-        data = store.get(key)
-        header = decode_chunk(data, expected_key=key).header if verify else read_header(data)
-    except ValueError as exc:  # ChunkFormatError, ChunkIntegrityError
-        log.warning("rebuild: blob %s is corrupt: %s", key, exc)
-        report.corrupt.append(key)
-        return None
-    except ChunkStoreError as exc:  # vanished or unreadable since listing
-        log.warning("rebuild: blob %s is unreadable: %s", key, exc)
-        report.invalid[key] = f"unreadable: {exc}"
-        return None
-    receipt = ReplicaReceipt(
-        location=store.name,
-        tier=tier,
-        size=stat.size,
-        checksum=f"blake3:{key}",
-        stored_at=stat.mtime,
-    )
-    return header, receipt
 
 
 def _infer_chunk_size(group: list[_Blob], explicit: int | None) -> int:
     # A chunk with a child is full, so its length is the namespace's chunk size.
-    parents = {b.header.parent_hash for b in group if b.header.token_start > 0}
-    full = [len(b.header.tokens) for b in group if b.header.prefix_hash in parents]
+    parents = {b.stored.header.parent_hash for b in group if b.stored.header.token_start > 0}
+    full = [len(b.stored.header.tokens) for b in group if b.stored.header.prefix_hash in parents]
     if full:
         return max(full)
     if explicit is not None:
         return explicit
-    return max(len(b.header.tokens) for b in group)
+    return max(len(b.stored.header.tokens) for b in group)
+
+
+def _shard(b: _Blob) -> Shard:
+    h = b.stored.header
+    return Shard(h.layers[0], h.layers[1], h.kv_heads[0], h.kv_heads[1])
 
 
 def _problem(b: _Blob, ns: str, cs: int) -> str | None:
     """Why this chunk cannot be catalogued as it is (what the catalog would refuse), or None."""
-    h = b.header
+    h = b.stored.header
     if h.token_start % cs or len(h.tokens) > cs:
         return f"chunk at token {h.token_start} with {len(h.tokens)} tokens does not fit chunk size {cs}"
     if chain_hash(h.parent_hash, h.tokens) != h.prefix_hash:
@@ -221,7 +341,7 @@ def _problem(b: _Blob, ns: str, cs: int) -> str | None:
         return "a chunk at token 0 does not extend the namespace's chain root"
     layout = b.fingerprint.layout
     try:
-        Shard(h.layers[0], h.layers[1], h.kv_heads[0], h.kv_heads[1]).check_within(layout)
+        _shard(b).check_within(layout)
     except CatalogError as exc:
         return str(exc)
     if h.dtype != layout.dtype or h.shape[4] != layout.head_dim:
@@ -230,29 +350,29 @@ def _problem(b: _Blob, ns: str, cs: int) -> str | None:
 
 
 def _linked_records(
-    catalog: Catalog, ns: str, cs: int, group: list[_Blob], report: RebuildReport
+    view: _View, ns: str, cs: int, group: list[_Blob], report: RebuildReport
 ) -> list[ChunkRecord]:
-    """Records whose parent is the root, an earlier record or a catalogued prefix; parents first."""
+    """Records whose parent is the root, an earlier record or a catalogued prefix; parents first.
+
+    Among blobs for one chunk, the one stored first comes first (the catalog keeps the first).
+    """
     ends: dict[bytes, int] = {}  # prefix hash -> token end, of prefixes that will exist
     records: list[ChunkRecord] = []
-    for b in sorted(group, key=lambda b: (b.header.token_start, b.key)):
-        h = b.header
+    for b in sorted(group, key=lambda b: (b.stored.header.token_start, b.first_stored, b.key)):
+        h = b.stored.header
         why = _problem(b, ns, cs)
         if why is not None:
             report.invalid[b.key] = why
             continue
         if h.token_start > 0:
-            end = ends.get(h.parent_hash)
-            if end is None:
-                try:
-                    end = catalog.get_prefix(ns, h.parent_hash).token_end
-                except NotFoundError:
-                    end = -1
-                ends[h.parent_hash] = end
-            if end != h.token_start:  # missing parent (or one that ends elsewhere): orphan
+            if h.parent_hash not in ends:
+                end = view.prefix_end(ns, h.parent_hash)
+                ends[h.parent_hash] = -1 if end is None else end
+            if ends[h.parent_hash] != h.token_start:  # missing parent (or one ending elsewhere)
                 report.orphans.append(b.key)
                 continue
         ends[h.prefix_hash] = h.token_end
+        receipts = sorted(b.stored.receipts, key=lambda r: r.location)
         records.append(
             ChunkRecord(
                 namespace=ns,
@@ -261,33 +381,89 @@ def _linked_records(
                 parent_hash=h.parent_hash,
                 token_start=h.token_start,
                 tokens=h.tokens,
-                shard=Shard(h.layers[0], h.layers[1], h.kv_heads[0], h.kv_heads[1]),
+                shard=_shard(b),
                 blob_key=b.key,
                 codec=h.codec,
-                stored_bytes=b.receipt.size,
+                stored_bytes=receipts[0].size,
                 kv_bytes=h.raw_size,
-                receipts=[b.receipt],
+                receipts=receipts,
             )
         )
     return records
+
+
+def _ident(r: ChunkRecord) -> _Ident:
+    s = r.shard
+    return (r.fingerprint.hex, r.prefix_hash, s.layer_lo, s.layer_hi, s.head_lo, s.head_hi)
+
+
+def _conflict(r: ChunkRecord, kept: str) -> RebuildConflict:
+    s = r.shard
+    return RebuildConflict(
+        fingerprint=r.fingerprint.hex,
+        prefix_hash=r.prefix_hash,
+        shard=(s.layer_lo, s.layer_hi, s.head_lo, s.head_hi),
+        kept=kept,
+        rejected=r.blob_key,
+        stores=tuple(rc.location for rc in r.receipts),
+    )
+
+
+def _classify(
+    view: _View, ns: str, records: list[ChunkRecord], report: RebuildReport
+) -> list[ChunkRecord]:
+    """Drop (and report) conflicts; count what a dry run would add. Returns what to record.
+
+    A record conflicts when the catalog, or an earlier record of this rebuild,
+    has its (fingerprint, prefix, shard) with another blob key.
+    """
+    kept: dict[_Ident, str] = {}
+    groups: dict[tuple[str, Shard], list[bytes]] = {}
+    for r in records:
+        groups.setdefault((r.fingerprint.hex, r.shard), []).append(r.prefix_hash)
+    for (fp, shard), prefixes in groups.items():
+        found = view.kept_keys(ns, fp, sorted(set(prefixes)), shard)
+        for prefix, key in found.items():
+            kept[(fp, prefix, shard.layer_lo, shard.layer_hi, shard.head_lo, shard.head_hi)] = key
+    catalogued = set(kept)
+    out: list[ChunkRecord] = []
+    for r in records:
+        ident = _ident(r)
+        first = kept.setdefault(ident, r.blob_key)
+        if first != r.blob_key:
+            report.conflicts.append(_conflict(r, first))
+            continue
+        out.append(r)
+        if report.dry_run:
+            if ident in catalogued:
+                report.already_present += 1
+                report.replicas_added += sum(
+                    not view.has_replica(ns, rc.location, r.blob_key) for rc in r.receipts
+                )
+            else:
+                report.recorded += 1
+                report.replicas_added += len(r.receipts)
+    return out
 
 
 def _record(
     catalog: Catalog, batch: list[ChunkRecord], actor: str | None, report: RebuildReport
 ) -> None:
     try:
-        results = [catalog.record_chunks(batch, actor=actor)]
+        results = [(batch, catalog.record_chunks(batch, actor=actor))]
     except PublishError:
         # Something the checks above cannot see (a quarantined prefix, a concurrent
         # change): record one by one so one refusal does not lose the batch.
         results = []
         for r in batch:
             try:
-                results.append(catalog.record_chunks([r], actor=actor))
+                results.append(([r], catalog.record_chunks([r], actor=actor)))
             except PublishError as exc:
                 report.invalid[r.blob_key] = f"refused by the catalog: {exc}"
-    for res in results:
+    for records, res in results:
         report.recorded += res.recorded
         report.already_present += res.already_present
         report.replicas_added += res.replicas_added
-        report.conflicts += len(res.conflicts)
+        by_key = {r.blob_key: r for r in records}
+        for c in res.conflicts:  # a concurrent publish got there between our read and write
+            report.conflicts.append(_conflict(by_key[c.rejected_key], c.kept_key))

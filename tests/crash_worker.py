@@ -14,6 +14,7 @@ import sqlalchemy as sa
 import restore.checkpoint as checkpoint_module
 from catalog import Catalog
 from chunkstore import open_store
+from chunkstore.base import DOCUMENTS_DIR
 from restore.checkpoint import Checkpointer
 from restore.engines.reference import ReferenceModel
 from restore.pool import PagePool
@@ -54,13 +55,16 @@ def main() -> None:
 
             def fsync_then_park(fd: int) -> None:
                 real_fsync(fd)
-                park(marker)  # the temp file is written and synced, not yet renamed
+                # The fingerprint descriptor document goes first: park in the blob's put.
+                if f"/{DOCUMENTS_DIR}/" not in os.readlink(f"/proc/self/fd/{fd}"):
+                    park(marker)  # the temp file is written and synced, not yet renamed
 
             local_module.os.fsync = fsync_then_park  # type: ignore[attr-defined]
         else:
 
-            def before_send(**_: Any) -> None:
-                park(marker)  # the PUT request is built and about to go out
+            def before_send(request: Any, **_: Any) -> None:
+                if f"/{DOCUMENTS_DIR}/" not in request.url:  # the blob's PUT, not the descriptor's
+                    park(marker)  # the PUT request is built and about to go out
 
             store.client.meta.events.register("before-send.s3.PutObject", before_send)  # type: ignore[attr-defined]
     elif step == "after_put":

@@ -1,9 +1,13 @@
-"""Rebuild: a lost catalog comes back from blob headers, and restores stay bit-identical."""
+"""Rebuild: a lost catalog comes back from blob headers, and restores stay bit-identical.
+
+More (several stores, descriptors, dry run, conflicts, S3 and PostgreSQL): tests/test_recovery.py.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -16,6 +20,7 @@ import pytest
 
 from catalog.catalog import Catalog
 from chunkstore import ChunkStore, open_store
+from chunkstore.base import DOCUMENTS_DIR
 from restore import Checkpointer, PagePool, Restorer
 from restore.engines.reference import ReferenceModel
 from restore.rebuild import rebuild
@@ -80,6 +85,12 @@ def lost(tmp_path: Path) -> Any:
     store.close()
 
 
+def strip_descriptors(lost: Lost) -> None:
+    """Make the store look like one written before stores kept fingerprint descriptors."""
+    shutil.rmtree(lost.tmp / "blobs" / DOCUMENTS_DIR)
+    assert not list(lost.store.documents())
+
+
 def corrupt(store: ChunkStore, key: str) -> None:
     path = store.path_of(key)  # type: ignore[attr-defined]
     data = bytearray(path.read_bytes())
@@ -97,7 +108,7 @@ def test_rebuilt_catalog_restores_bit_identically(lost: Lost) -> None:
         assert report.complete, report.to_dict()
         assert report.blobs == 6 and report.recorded == 6  # 4 chunks of P, 2 of Q's own
         assert report.namespaces == {"default": CHUNK}
-        assert seen[-1] == ("rebuild", 6, 6)
+        assert ("rebuild read", 6, 6) in seen and seen[-1] == ("rebuild record", 6, 6)
         for toks in (P, Q):
             pool = PagePool(MODEL.layout, page_size=PAGE, num_pages=256)
             with Restorer(cat, [lost.store]) as r:
@@ -122,7 +133,7 @@ def test_corrupt_blob_is_skipped_and_its_descendants_are_orphans(lost: Lost) -> 
     corrupt(lost.store, bad)
     with lost.fresh_catalog() as cat:
         report = rebuild(cat, lost.store, fingerprints=FPS)
-        assert report.corrupt == [bad]
+        assert list(report.corrupt) == [bad] and report.lost == [bad]
         assert len(report.orphans) == 4  # P's and Q's chunks past token 64
         assert report.recorded == 1 and not report.complete
         assert cat.lookup("default", MODEL.fingerprint, P).matched_tokens == CHUNK
@@ -132,11 +143,16 @@ def test_corrupt_blob_is_skipped_and_its_descendants_are_orphans(lost: Lost) -> 
 
 
 def test_unknown_fingerprint_is_reported_not_guessed(lost: Lost) -> None:
+    strip_descriptors(lost)  # an older store: its blobs name a fingerprint nothing describes
     with lost.fresh_catalog() as cat:
         report = rebuild(cat, lost.store)
         assert report.unknown_fingerprints == {MODEL.fingerprint.hex: 6}
         assert report.recorded == 0 and not report.complete
         assert cat.get_fingerprint(MODEL.fingerprint.hex) is None
+        # Given as a fingerprint file (as before stores kept descriptors), it rebuilds.
+        given = rebuild(cat, lost.store, fingerprints=FPS)
+        assert given.recorded == 6 and given.complete
+        assert given.fingerprints_added == [MODEL.fingerprint.hex]
 
 
 def run_cli(lost: Lost, *args: str) -> subprocess.CompletedProcess[str]:
@@ -160,10 +176,11 @@ def test_cli_rebuilds_with_json_and_exit_codes(lost: Lost) -> None:
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["recorded"] == 6 and doc["complete"] and doc["skipped"] == 0
-    assert "refs" in doc["refs"]
+    assert "refs" in doc["not_recovered"] and doc["stores"] == [lost.store_url]
     with Catalog.open(target) as cat:
         assert cat.lookup("default", MODEL.fingerprint, P).matched_tokens == 99
 
+    strip_descriptors(lost)  # an older store: without --fingerprint-file nothing is known
     other = run_cli(
         lost,
         "rebuild",

@@ -1,9 +1,11 @@
-"""`kvc rebuild --from STORE_URL`: recreate a lost catalog's chunk facts from blob headers."""
+"""`kvc rebuild --from STORE_URL [--from ...]`: recreate a lost catalog from the stores alone."""
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -21,20 +23,25 @@ from kvc.commands.common import (
 from kvc.settings import Settings
 
 _EPILOG = """\b
-Example:
-  kvc rebuild --from s3://kv/prod?region=eu-west-1 \\
-      --catalog sqlite:///new.db --fingerprint-file fingerprints.jsonl
+Examples:
+  kvc rebuild --from file:///var/lib/kvc/blobs --from s3://kv/prod?region=eu-west-1 \\
+      --catalog sqlite:///new.db
+  kvc rebuild --from s3://kv/prod --dry-run --json
 
 \b
-Fingerprint file: JSON fingerprint descriptors (bare, or {"descriptor": ...}), one
-per line or one JSON list. Fingerprints the target catalog already knows need
-not be given; chunks of any other fingerprint are skipped and listed.
+Stores hold the descriptor of every fingerprint their blobs name, so nothing
+else is needed. Blobs written before stores kept descriptors need a
+--fingerprint-file: JSON fingerprint descriptors (bare, or {"descriptor": ...}),
+one per line or one JSON list. Fingerprints the target catalog already knows
+need not be given; chunks of any other fingerprint are skipped and listed.
 
-Refs (named continuations), pins and the event history live only in the
-catalog and cannot be rebuilt. Exit 0 when every blob was catalogued, 1 when
-some were skipped (corrupt, unknown fingerprint, orphan, invalid), 2 for usage
-errors. --no-verify reads headers only (faster; the payload is not checked,
-and a replica previously marked corrupt becomes durable again)."""
+Refs, pins and quarantine marks come from the store journal, which rebuild
+does not apply yet; demands, access statistics and the event history are not
+recovered. Exit 0 when everything was catalogued (or already was), 1 when
+something was skipped or disagreed (corrupt copy, unknown fingerprint, orphan,
+invalid, conflict, refused descriptor), 2 for usage errors. --no-verify reads
+headers only (faster; the payload is not checked, and a replica previously
+marked corrupt becomes durable again)."""
 
 
 def _load_fingerprints(path: str | None) -> dict[str, Any]:
@@ -75,95 +82,187 @@ def _load_fingerprints(path: str | None) -> dict[str, Any]:
     return out
 
 
+@contextmanager
+def _dry_run_catalog(settings: Settings) -> Iterator[Any]:
+    """The target catalog for a dry run, opened without creating or upgrading anything;
+    None when there is no catalog there yet (a dry run then compares against nothing)."""
+    from sqlalchemy.engine import make_url
+
+    from catalog import database
+    from catalog.errors import CatalogError
+
+    url = settings.resolved_catalog_url
+    try:
+        parsed = make_url(url)
+    except Exception:  # malformed: let open_catalog say so
+        parsed = None
+    if parsed is not None and parsed.get_backend_name() == "sqlite":
+        path = Path(parsed.database or "")
+        if not path.is_file() or path.stat().st_size == 0:
+            yield None
+            return
+    try:
+        engine = database.create_engine(url)
+        try:
+            empty = database.current_revision(engine) is None
+        finally:
+            engine.dispose()
+    except CatalogError as exc:
+        fail(str(exc), EXIT_USAGE)
+    except Exception as exc:  # unreachable server, ...
+        fail(
+            f"cannot open catalog {database.safe_url(url)}: "
+            f"{exc.__class__.__name__}: {str(exc).splitlines()[0]}"
+        )
+    if empty:
+        yield None
+        return
+    with open_catalog(settings) as cat:
+        yield cat
+
+
+def _progress_bar(disable: bool) -> tuple[Any, Any]:
+    bar = tqdm(file=sys.stderr, disable=disable, leave=False, unit="blob")
+    stage = [""]
+
+    def progress(name: str, done: int, total: int | None) -> None:
+        if name != stage[0]:
+            stage[0] = name
+            bar.reset(total=total)
+            bar.set_description(name)
+        bar.total = total
+        bar.update(done - bar.n)
+
+    return bar, progress
+
+
+def _summary(report: Any) -> str:
+    would = "would be " if report.dry_run else ""
+    copies = ", ".join(f"{n} in {s}" for s, n in report.copies.items())
+    lines = [
+        *(["dry run: nothing was written"] if report.dry_run else []),
+        f"{report.blobs} blobs ({copies}); {report.descriptors} fingerprint descriptors in the stores",
+        f"{report.recorded} chunks {would}recorded, {report.already_present} already catalogued, "
+        f"{report.replicas_added} replicas {would}added",
+        *(f"namespace {ns}: chunk size {cs}" for ns, cs in report.namespaces.items()),
+    ]
+    if report.namespaces_added:
+        lines.append(f"namespaces {would}added: {', '.join(report.namespaces_added)}")
+    if report.fingerprints_added:
+        lines.append(f"fingerprints {would}added: {', '.join(report.fingerprints_added)}")
+    for where, why in report.rejected_descriptors.items():
+        lines.append(f"refused descriptor {where}: {why}")
+    for store, why in report.unlisted.items():
+        lines.append(f"could not list {store}: {why}")
+    for key, bad in report.corrupt.items():
+        for store, why in bad.items():
+            lines.append(f"bad copy of {key} in {store}: {why}")
+    if report.lost:
+        lines.append(
+            f"skipped {len(report.lost)} blobs with no good copy: {', '.join(report.lost)}"
+        )
+    for hex_, n in report.unknown_fingerprints.items():
+        lines.append(
+            f"skipped {n} chunks of unknown fingerprint {hex_} "
+            "(no descriptor in the stores; pass --fingerprint-file)"
+        )
+    if report.orphans:
+        lines.append(f"skipped {len(report.orphans)} orphan chunks (parent missing)")
+    for key, why in report.invalid.items():
+        lines.append(f"skipped {key}: {why}")
+    for c in report.conflicts:
+        lines.append(
+            f"conflict at prefix {c.prefix_hash.hex()}: catalog keeps {c.kept}, "
+            f"not {c.rejected} (in {', '.join(c.stores)})"
+        )
+    lines.append(f"not recovered: {report.not_recovered}")
+    return "\n".join(lines)
+
+
 @click.command("rebuild", epilog=_EPILOG)
 @settings_options
 @click.option(
-    "--from", "from_url", required=True, metavar="STORE_URL", help="Store whose blobs to read."
+    "--from",
+    "from_urls",
+    required=True,
+    multiple=True,
+    metavar="STORE_URL",
+    help="Store whose blobs to read (repeat for several; their contents are merged).",
 )
 @click.option(
     "--fingerprint-file",
     type=click.Path(dir_okay=False),
     default=None,
     metavar="FILE",
-    help="JSON fingerprint descriptors for fingerprints the target catalog does not know.",
+    help="JSON fingerprint descriptors for blobs whose store holds none (older stores).",
 )
 @click.option(
     "--chunk-size",
     type=click.IntRange(1, 65536),
     default=None,
-    help="Chunk size of a new namespace when the store holds no parent/child pair to infer it from.",
+    help="Chunk size of a new namespace when the stores hold no parent/child pair to infer it from.",
 )
 @click.option("--no-verify", is_flag=True, help="Parse headers only; do not check blob digests.")
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Read and verify everything, report what would be added, write nothing.",
+)
 def rebuild_cmd(
     settings: Settings,
     as_json: bool,
-    from_url: str,
+    from_urls: tuple[str, ...],
     fingerprint_file: str | None,
     chunk_size: int | None,
     no_verify: bool,
+    dry_run: bool,
 ) -> None:
-    """Recreate the catalog's chunk, prefix and replica facts from the blobs in STORE_URL.
+    """Recreate the catalog's namespaces, fingerprints, chunks and replicas from the stores.
 
-    The target catalog (--catalog) gets its schema created if it is empty.
-    Safe to run again and against several stores: each run only adds what is
-    missing (a second store adds its replicas)."""
+    The target catalog (--catalog) gets its schema created if it is empty
+    (not with --dry-run). Safe to run again: each run only adds what is
+    missing, and reports chunks the catalog holds with other bytes as
+    conflicts without overwriting them."""
     from catalog.database import safe_url
     from chunkstore import open_store
     from chunkstore.errors import StoreURLError
     from restore.rebuild import rebuild
 
+    if len(set(from_urls)) != len(from_urls):
+        fail("a --from store is given twice", EXIT_USAGE)
     fingerprints = _load_fingerprints(fingerprint_file)
+    stores = []
     try:
-        store = open_store(from_url)
-    except StoreURLError as exc:
-        fail(str(exc), EXIT_USAGE)
-    bar = tqdm(
-        desc="rebuild",
-        unit="blob",
-        file=sys.stderr,
-        disable=as_json or not sys.stderr.isatty(),
-        leave=False,
-    )
-
-    def progress(_stage: str, done: int, total: int | None) -> None:
-        bar.total = total
-        bar.update(done - bar.n)
-
-    try:
-        with open_catalog(settings, upgrade=True) as cat:
-            report = rebuild(
-                cat,
-                store,
-                fingerprints=fingerprints,
-                verify=not no_verify,
-                chunk_size=chunk_size,
-                progress=progress,
+        for url in from_urls:
+            try:
+                stores.append(open_store(url))
+            except StoreURLError as exc:
+                fail(str(exc), EXIT_USAGE)
+        bar, progress = _progress_bar(as_json or not sys.stderr.isatty())
+        opener = _dry_run_catalog(settings) if dry_run else open_catalog(settings, upgrade=True)
+        try:
+            with opener as cat:
+                report = rebuild(
+                    cat,
+                    stores,
+                    fingerprints=fingerprints,
+                    verify=not no_verify,
+                    chunk_size=chunk_size,
+                    dry_run=dry_run,
+                    progress=progress,
+                )
+        except Exception as exc:  # store unreachable mid-way, database errors, ...
+            fail(
+                f"rebuild from {', '.join(s.name for s in stores)} failed: "
+                f"{exc.__class__.__name__}: {str(exc).splitlines()[0]}"
             )
-    except Exception as exc:  # store unreachable mid-way, database errors, ...
-        fail(
-            f"rebuild from {store.name} failed: {exc.__class__.__name__}: {str(exc).splitlines()[0]}"
-        )
+        finally:
+            bar.close()
     finally:
-        bar.close()
-        store.close()
+        for store in stores:
+            store.close()
     doc = {"catalog": safe_url(settings.resolved_catalog_url), **report.to_dict()}
-    lines = [
-        f"{report.blobs} blobs in {report.store}: {report.recorded} chunks recorded, "
-        f"{report.already_present} already catalogued, {report.replicas_added} replicas added",
-        *(f"namespace {ns}: chunk size {cs}" for ns, cs in report.namespaces.items()),
-    ]
-    if report.corrupt:
-        lines.append(f"skipped {len(report.corrupt)} corrupt blobs: {', '.join(report.corrupt)}")
-    for hex_, n in report.unknown_fingerprints.items():
-        lines.append(f"skipped {n} chunks of unknown fingerprint {hex_} (pass --fingerprint-file)")
-    if report.orphans:
-        lines.append(f"skipped {len(report.orphans)} orphan chunks (parent missing)")
-    for key, why in report.invalid.items():
-        lines.append(f"skipped {key}: {why}")
-    if report.conflicts:
-        lines.append(f"{report.conflicts} conflicts (another blob was kept for the same chunk)")
-    lines.append(f"note: {report.refs_note}")
-    emit(as_json, doc, "\n".join(lines))
+    emit(as_json, doc, _summary(report))
     if not report.complete:
         sys.exit(EXIT_PROBLEMS)
 
