@@ -14,8 +14,9 @@ replica per store holding a good copy, in that store's tier) and records it:
 3. chunks: namespace by namespace, parents first, in batches; only what is
    missing is added. A chunk the catalog (or an earlier copy) already has
    with another blob key is a conflict: reported, never overwritten;
-4. refs, pins and quarantines: from the journal (not applied yet, see the
-   step in `rebuild`).
+4. refs, pins and quarantines: from the stores' journal (restore/rebuild_journal.py),
+   adding only what the catalog lacks; blobs GC purged after they were stored are
+   left out before step 3.
 
 With `dry_run` steps 1-3 read and verify everything and report what would be
 added; nothing is written (the catalog may even be absent: `catalog=None`).
@@ -40,7 +41,9 @@ from catalog.errors import CatalogError, IdentityError, NotFoundError, PublishEr
 from catalog.models import ChunkRecord, Shard
 from chunkstore import ChunkStore
 from restore.descriptors import load_descriptors
+from restore.journal import read_journal
 from restore.progress import Progress
+from restore.rebuild_journal import JournalOutcome, apply_journal, purged_since_stored
 from restore.rebuild_scan import StoredBlob, scan_stores
 
 log = logging.getLogger(__name__)
@@ -48,9 +51,8 @@ log = logging.getLogger(__name__)
 BATCH = 256  # chunk records per catalog transaction
 
 NOT_RECOVERED = (
-    "refs (named continuations), pins and quarantine marks come from the store journal, "
-    "which this rebuild does not apply yet; demands, access statistics and the event history "
-    "are not recovered"
+    "demands, access statistics and the event history (refs, pins and quarantines come from "
+    "the stores' journal; a change whose journal write failed is missing until resynced)"
 )
 
 _Ident = tuple[str, bytes, int, int, int, int]  # (fingerprint hex, prefix hash, shard bounds)
@@ -101,6 +103,7 @@ class RebuildReport:
     unknown_fingerprints: dict[str, int] = field(default_factory=dict)  # hex -> chunks skipped
     orphans: list[str] = field(default_factory=list)  # blob keys
     invalid: dict[str, str] = field(default_factory=dict)  # blob key -> why
+    journal: JournalOutcome = field(default_factory=JournalOutcome)
     not_recovered: str = NOT_RECOVERED
 
     @property
@@ -121,6 +124,9 @@ class RebuildReport:
             or self.conflicts
             or self.rejected_descriptors
             or self.unlisted
+            or self.journal.untrusted
+            or self.journal.disagreements
+            or self.journal.unresolved
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -146,6 +152,7 @@ class RebuildReport:
             "orphans": list(self.orphans),
             "invalid": dict(self.invalid),
             "complete": self.complete,
+            "journal": self.journal.to_dict(),
             "not_recovered": self.not_recovered,
         }
 
@@ -263,9 +270,15 @@ def rebuild(
     report.corrupt = dict(sorted(scan.damaged.items()))
     report.lost = scan.lost
     report.blobs = len(scan.blobs) + len(report.lost)
+    # What GC purged after the copies were written stays purged (the journal says so).
+    journal = read_journal(store_list, progress=progress)
+    report.journal.records = journal.records
+    report.journal.untrusted = list(journal.skipped)
+    purged = purged_since_stored(journal, {k: b.receipts for k, b in scan.blobs.items()})
+    report.journal.purged = sorted(purged)
     unknown: Counter[str] = Counter()
     by_ns: dict[str, list[_Blob]] = {}
-    for key in sorted(scan.blobs):
+    for key in sorted(scan.blobs.keys() - purged):
         stored = scan.blobs[key]
         fp = resolve(stored.header.fingerprint)
         if fp is None:
@@ -278,6 +291,7 @@ def rebuild(
     total = sum(len(g) for g in by_ns.values())
     done = 0
     used_fps: set[str] = set()
+    added_prefixes: set[tuple[str, bytes]] = set()
     for ns in sorted(by_ns):
         group = by_ns[ns]
         try:
@@ -295,6 +309,7 @@ def rebuild(
         report.namespaces[ns] = cs
         records = _classify(view, ns, _linked_records(view, ns, cs, group, report), report)
         used_fps.update(r.fingerprint.hex for r in records)
+        added_prefixes.update((ns, r.prefix_hash) for r in records)
         for i in range(0, len(records), BATCH):
             batch = records[i : i + BATCH]
             if catalog is not None and not dry_run:
@@ -305,12 +320,16 @@ def rebuild(
     report.fingerprints_added = sorted(new_fps & used_fps)
     report.orphans.sort()
 
-    # Step 4: refs, pins and quarantine marks (the journal). Not applied yet: the journal
-    # (documents under `journal/` in the stores, read by `restore.journal.read_journal(stores)`)
-    # is applied here, after every chunk is recorded (a ref's head, a pin's prefix and a
-    # quarantined node must exist first), merged over `store_list`, adding only what the
-    # catalog lacks and reporting what disagrees, writing nothing in a dry run. Until then
-    # `report.not_recovered` says what a rebuild leaves out.
+    # Step 4: refs, pins and quarantines from the journal, once their prefixes are recorded.
+    apply_journal(
+        catalog,
+        journal,
+        report.journal,
+        known_prefixes=added_prefixes,
+        known_fingerprint=lambda hex_: resolve(hex_) is not None,
+        dry_run=dry_run,
+        actor=actor,
+    )
     return report
 
 
@@ -433,6 +452,11 @@ def _classify(
         if first != r.blob_key:
             report.conflicts.append(_conflict(r, first))
             continue
+        if ident in catalogued and all(
+            view.has_replica(ns, rc.location, r.blob_key) for rc in r.receipts
+        ):
+            report.already_present += 1  # nothing to add (and nothing to refuse: quarantine)
+            continue
         out.append(r)
         if report.dry_run:
             if ident in catalogued:
@@ -444,6 +468,17 @@ def _classify(
                 report.recorded += 1
                 report.replicas_added += len(r.receipts)
     return out
+
+
+def _add_replicas(catalog: Catalog, r: ChunkRecord, actor: str | None) -> int | None:
+    """Add `r`'s replicas to its catalogued chunk; None when the chunk is not catalogued."""
+    try:
+        return sum(
+            catalog.record_replica(r.blob_key, rc, namespace=r.namespace, actor=actor)
+            for rc in r.receipts
+        )
+    except NotFoundError:
+        return None
 
 
 def _record(
@@ -459,7 +494,12 @@ def _record(
             try:
                 results.append(([r], catalog.record_chunks([r], actor=actor)))
             except PublishError as exc:
-                report.invalid[r.blob_key] = f"refused by the catalog: {exc}"
+                added = _add_replicas(catalog, r, actor)
+                if added is None:
+                    report.invalid[r.blob_key] = f"refused by the catalog: {exc}"
+                else:  # catalogued already (under quarantine, say): only its new copies
+                    report.already_present += 1
+                    report.replicas_added += added
     for records, res in results:
         report.recorded += res.recorded
         report.already_present += res.already_present

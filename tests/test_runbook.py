@@ -23,8 +23,10 @@ import pytest
 
 from catalog.catalog import Catalog
 from chunkstore import open_store
+from chunkstore.base import DOCUMENTS_DIR
 from restore.checkpoint import Checkpointer
 from restore.engines.reference import ReferenceModel
+from restore.journal import attach_journal
 from restore.pool import PagePool
 from restore.restore import Restorer
 
@@ -90,7 +92,11 @@ class Site:
         return json.loads(out.stdout)
 
     def blobs(self, store: Path) -> list[Path]:
-        return sorted(p for p in store.rglob("*") if p.is_file() and len(p.name) == 64)
+        return sorted(
+            p
+            for p in store.rglob("*")
+            if p.is_file() and len(p.name) == 64 and DOCUMENTS_DIR not in p.relative_to(store).parts
+        )
 
     def replica_states(self) -> dict[tuple[str, str], str]:
         with Catalog.open(self.catalog_url) as cat, cat.engine.connect() as conn:
@@ -102,11 +108,10 @@ class Site:
         route = pool.new_route()
         MODEL.prefill(pool, route, tokens)
         a, b = (open_store(u) for u in self.store_urls)
-        with (
-            Catalog.open(self.catalog_url, upgrade=True) as cat,
-            Checkpointer(cat, a, chunk_size=CHUNK, write_behind=b) as cp,
-        ):
-            cp.checkpoint(pool, route, tokens, MODEL.fingerprint, name=name)
+        with Catalog.open(self.catalog_url, upgrade=True) as cat:
+            attach_journal(cat, [a, b])  # as a worker embedding kvc does (docs/restore.md)
+            with Checkpointer(cat, a, chunk_size=CHUNK, write_behind=b) as cp:
+                cp.checkpoint(pool, route, tokens, MODEL.fingerprint, name=name)
         a.close()
         b.close()
 
@@ -246,3 +251,29 @@ def test_a_lost_database_restored_from_a_backup(site: Site) -> None:
     restored, _, _ = site.restore(later)
     assert restored == 0
     assert len(site.blobs(site.store_a)) == 4 + 3
+
+
+def test_a_lost_database_rebuilt_from_the_stores_alone(site: Site) -> None:
+    head = site.kvc_json("refs", "show", "chat")["head"]
+    site.kvc_json("pins", "set", "system-prompt", head[:16])  # the CLI journals it too
+    for suffix in ("", "-wal", "-shm"):  # the database is lost, and no backup is recent
+        Path(f"{site.catalog_db}{suffix}").unlink(missing_ok=True)
+
+    # (c, from the stores alone) 1. Stop everything that opens the catalog (nothing runs).
+    # (c) 2. Rebuild into a new, empty catalog from every store; it must exit 0.
+    doc = site.kvc_json(
+        "rebuild",
+        "--catalog",
+        site.catalog_url,
+        *(arg for url in site.store_urls for arg in ("--from", url)),
+    )
+    assert doc["complete"] and doc["recorded"] == 4
+    assert doc["journal"]["refs_added"] == ["default/chat"]
+    assert doc["journal"]["pins_added"] == ["default/system-prompt"]
+    # (c) 3. `kvc fsck --read-data` must exit 0.
+    assert site.kvc_json("fsck", "--read-data")["clean"]
+    # (c) 4. The names are as they were; restores are token-exact.
+    assert [r["name"] for r in site.kvc_json("refs", "list")["refs"]] == ["chat"]
+    assert site.kvc_json("refs", "show", "chat")["head"] == head
+    assert [p["name"] for p in site.kvc_json("pins", "list")["pins"]] == ["system-prompt"]
+    assert_restores_exactly(site, site.prompt)

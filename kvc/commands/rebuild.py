@@ -35,11 +35,12 @@ else is needed. Blobs written before stores kept descriptors need a
 one per line or one JSON list. Fingerprints the target catalog already knows
 need not be given; chunks of any other fingerprint are skipped and listed.
 
-Refs, pins and quarantine marks come from the store journal, which rebuild
-does not apply yet; demands, access statistics and the event history are not
-recovered. Exit 0 when everything was catalogued (or already was), 1 when
+Refs, pins and quarantine marks come from the stores' journal (a ref or pin
+the catalog already has is kept and reported if the journal disagrees); blobs
+GC purged stay purged. Demands, access statistics and the event history are
+not recovered. Exit 0 when everything was catalogued (or already was), 1 when
 something was skipped or disagreed (corrupt copy, unknown fingerprint, orphan,
-invalid, conflict, refused descriptor), 2 for usage errors. --no-verify reads
+invalid, conflict, refused descriptor or journal record, unresolved ref), 2 for usage errors. --no-verify reads
 headers only (faster; the payload is not checked, and a replica previously
 marked corrupt becomes durable again)."""
 
@@ -175,6 +176,18 @@ def _summary(report: Any) -> str:
             f"conflict at prefix {c.prefix_hash.hex()}: catalog keeps {c.kept}, "
             f"not {c.rejected} (in {', '.join(c.stores)})"
         )
+    j = report.journal
+    verb = "would add" if report.dry_run else "added"
+    lines.append(
+        f"journal: {j.records} records; {verb} {len(j.refs_added)} refs, {len(j.pins_added)} "
+        f"pins, {len(j.quarantines_added)} quarantines; {len(j.purged)} purged blobs left out"
+    )
+    lines += [f"skipped untrusted journal record {name}" for name in j.untrusted]
+    lines += [f"kept the catalog's {what} (the journal disagrees)" for what in j.disagreements]
+    lines += [
+        f"not recreated: {what} (its prefix or fingerprint is not catalogued)"
+        for what in j.unresolved
+    ]
     lines.append(f"not recovered: {report.not_recovered}")
     return "\n".join(lines)
 
@@ -239,7 +252,12 @@ def rebuild_cmd(
             except StoreURLError as exc:
                 fail(str(exc), EXIT_USAGE)
         bar, progress = _progress_bar(as_json or not sys.stderr.isatty())
-        opener = _dry_run_catalog(settings) if dry_run else open_catalog(settings, upgrade=True)
+        # No journal: what rebuild recreates is what the journal already says.
+        opener = (
+            _dry_run_catalog(settings)
+            if dry_run
+            else open_catalog(settings, upgrade=True, journal=False)
+        )
         try:
             with opener as cat:
                 report = rebuild(
