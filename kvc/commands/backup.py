@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-import sys
-from typing import Any
-
 import click
-from tqdm import tqdm
 
-from kvc.commands.common import EXIT_PROBLEMS, EXIT_USAGE, emit, fail, settings_options
+from kvc.commands.common import (
+    EXIT_PROBLEMS,
+    EXIT_USAGE,
+    ProgressBars,
+    emit,
+    fail,
+    settings_options,
+)
 from kvc.commands.format import human_bytes
 from kvc.settings import Settings
 
@@ -21,32 +24,6 @@ Restoring (docs/operations.md, "Recovery runbook"): stop every writer, replace
 the catalog file with the backup (and delete the old catalog.db-wal and
 catalog.db-shm), then run `kvc db current` and `kvc fsck`. PostgreSQL catalogs
 are backed up with pg_dump -Fc instead (exit 2 here)."""
-
-
-class _PageBar:
-    """A tqdm bar over pages on stderr; silent with --json or when stderr is not a terminal."""
-
-    def __init__(self, as_json: bool) -> None:
-        self.disable = as_json or not sys.stderr.isatty()
-        self.bar: tqdm[Any] | None = None
-
-    def __call__(self, stage: str, done: int, total: int | None) -> None:
-        if self.bar is None:
-            self.bar = tqdm(
-                total=total,
-                desc=stage,
-                unit="page",
-                file=sys.stderr,
-                disable=self.disable,
-                leave=False,
-            )
-        if total is not None:
-            self.bar.total = total
-        self.bar.update(done - self.bar.n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 @click.command("backup", epilog=_EPILOG)
@@ -66,7 +43,7 @@ def backup(settings: Settings, as_json: bool, path: str, force: bool) -> None:
     from catalog.backup import BackupError, backup_sqlite
     from catalog.errors import CatalogInputError, CatalogUnavailableError
 
-    bar = _PageBar(as_json)
+    bar = ProgressBars(as_json, unit="page")
     try:
         report = backup_sqlite(settings.resolved_catalog_url, path, force=force, progress=bar)
     except CatalogInputError as exc:

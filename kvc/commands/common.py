@@ -8,10 +8,12 @@ import logging
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import TracebackType
 from typing import Any, NoReturn, TypeVar
 
 import click
 from pydantic import ValidationError
+from tqdm import tqdm
 
 from kvc.settings import Settings, load
 
@@ -150,3 +152,48 @@ def setup_logging(verbose: bool = False) -> None:
         stream=sys.stderr,
         format="kvc: %(levelname)s %(name)s: %(message)s",
     )
+
+
+class ProgressBars:
+    """A `restore.progress.Progress` drawing one tqdm bar per stage on stderr.
+
+    stdout stays clean for --json; a bar is noise when stderr is a file or pipe.
+    """
+
+    def __init__(self, as_json: bool, unit: str = "blob") -> None:
+        self.unit = unit
+        self.disable = as_json or not sys.stderr.isatty()
+        self.stage: str | None = None
+        self.bar: tqdm[Any] | None = None
+
+    def __call__(self, stage: str, done: int, total: int | None) -> None:
+        if self.bar is None or stage != self.stage:
+            self.close()
+            self.stage = stage
+            self.bar = tqdm(
+                total=total,
+                desc=stage,
+                unit=self.unit,
+                file=sys.stderr,
+                disable=self.disable,
+                leave=False,
+            )
+        if total is not None:
+            self.bar.total = total
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def __enter__(self) -> ProgressBars:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

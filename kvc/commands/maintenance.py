@@ -6,15 +6,14 @@ import os
 import socket
 import sys
 from datetime import UTC, datetime
-from types import TracebackType
 from typing import Any
 
 import click
-from tqdm import tqdm
 
 from kvc.commands.common import (
     EXIT_PROBLEMS,
     EXIT_USAGE,
+    ProgressBars,
     emit,
     fail,
     open_catalog,
@@ -23,50 +22,6 @@ from kvc.commands.common import (
 )
 from kvc.commands.format import human_bytes, reporting
 from kvc.settings import Settings
-
-
-class _Bars:
-    """A `restore.progress.Progress` drawing one tqdm bar per stage on stderr.
-
-    stdout stays clean for --json; a bar is noise when stderr is a file or pipe.
-    """
-
-    def __init__(self, as_json: bool) -> None:
-        self.disable = as_json or not sys.stderr.isatty()
-        self.stage: str | None = None
-        self.bar: tqdm[Any] | None = None
-
-    def __call__(self, stage: str, done: int, total: int | None) -> None:
-        if self.bar is None or stage != self.stage:
-            self.close()
-            self.stage = stage
-            self.bar = tqdm(
-                total=total,
-                desc=stage,
-                unit="blob",
-                file=sys.stderr,
-                disable=self.disable,
-                leave=False,
-            )
-        if total is not None:
-            self.bar.total = total
-        self.bar.update(done - self.bar.n)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-    def __enter__(self) -> _Bars:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def _subset(text: str | None) -> tuple[int, int] | None:
@@ -127,7 +82,7 @@ def fsck(
     subset = _subset(subset_text)
     stores = open_stores(settings)
     try:
-        with open_catalog(settings) as cat, reporting(), _Bars(as_json) as bars:
+        with open_catalog(settings) as cat, reporting(), ProgressBars(as_json) as bars:
             report = check(
                 cat,
                 stores,
@@ -230,7 +185,7 @@ def gc(
     now = datetime.now(UTC)
     holder = f"kvc gc {socket.gethostname()}:{os.getpid()}"
     try:
-        with open_catalog(settings) as cat, reporting(), _Bars(as_json) as bars:
+        with open_catalog(settings) as cat, reporting(), ProgressBars(as_json) as bars:
             try:
                 report = run_gc(
                     cat,

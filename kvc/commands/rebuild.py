@@ -10,11 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import click
-from tqdm import tqdm
 
 from kvc.commands.common import (
     EXIT_PROBLEMS,
     EXIT_USAGE,
+    ProgressBars,
     emit,
     fail,
     open_catalog,
@@ -120,21 +120,6 @@ def _dry_run_catalog(settings: Settings) -> Iterator[Any]:
         return
     with open_catalog(settings) as cat:
         yield cat
-
-
-def _progress_bar(disable: bool) -> tuple[Any, Any]:
-    bar = tqdm(file=sys.stderr, disable=disable, leave=False, unit="blob")
-    stage = [""]
-
-    def progress(name: str, done: int, total: int | None) -> None:
-        if name != stage[0]:
-            stage[0] = name
-            bar.reset(total=total)
-            bar.set_description(name)
-        bar.total = total
-        bar.update(done - bar.n)
-
-    return bar, progress
 
 
 def _summary(report: Any) -> str:
@@ -251,7 +236,7 @@ def rebuild_cmd(
                 stores.append(open_store(url))
             except StoreURLError as exc:
                 fail(str(exc), EXIT_USAGE)
-        bar, progress = _progress_bar(as_json or not sys.stderr.isatty())
+        bar = ProgressBars(as_json)
         # No journal: what rebuild recreates is what the journal already says.
         opener = (
             _dry_run_catalog(settings)
@@ -267,7 +252,7 @@ def rebuild_cmd(
                     verify=not no_verify,
                     chunk_size=chunk_size,
                     dry_run=dry_run,
-                    progress=progress,
+                    progress=bar,
                 )
         except Exception as exc:  # store unreachable mid-way, database errors, ...
             fail(
