@@ -304,7 +304,8 @@ def test_a_put_failing_with_500_catalogues_nothing(rig: Rig, tmp_path: Path) -> 
     MODEL.prefill(pool, r, TOKENS)
     cat = Catalog.open(f"sqlite:///{tmp_path / 'c.db'}", upgrade=True)
     rig.proxy.clear()
-    rig.proxy.inject("500", method="PUT", times=None, after=2)
+    # The first PUT is the fingerprint's descriptor (before the first blob), then two blobs.
+    rig.proxy.inject("500", method="PUT", times=None, after=3)
     try:
         with rig.open("put") as s3:
             with (
@@ -313,10 +314,11 @@ def test_a_put_failing_with_500_catalogues_nothing(rig: Rig, tmp_path: Path) -> 
             ):
                 cp.checkpoint(pool, r, TOKENS, MODEL.fingerprint, name="x")
             puts = rig.proxy.seen("PUT")
-            assert [s.fault for s in puts] == [None, None, "500", "500"]
+            assert [s.fault for s in puts] == [None, None, None, "500", "500"]
+            assert puts[0].key == MODEL.fingerprint.hex
             assert cat.stats()["chunks"] == 0 and cat.list_refs("default") == []
             # Bytes first, catalog second: the two blobs that landed are orphans, for GC.
-            assert sorted(s3.keys()) == sorted({puts[0].key, puts[1].key})
+            assert sorted(s3.keys()) == sorted({puts[1].key, puts[2].key})
             miss, _ = restore(cat, [s3])
             assert miss.route is None
     finally:
