@@ -35,7 +35,7 @@ from catalog.errors import CatalogError, IdentityError, NotFoundError
 from chunkstore import ChunkStore
 from chunkstore.errors import ChunkStoreError
 from kvc import __version__
-from restore.checkpoint import DEFAULT_WRITE_BEHIND_BYTES, Checkpointer, write_behind_store
+from restore.checkpoint import Checkpointer
 from restore.engines.reference import ReferenceModel
 from restore.errors import (
     CheckpointBusyError,
@@ -48,6 +48,7 @@ from restore.pool import PagePool
 from restore.residency import DEFAULT_DEMAND_TTL_S, Residency, timer_interval
 from restore.restore import Restorer
 from restore.reuse import reuse_prefix
+from restore.write_behind import DEFAULT_WRITE_BEHIND_BYTES, write_behind_store
 
 __all__ = [
     "CheckpointRequest",
