@@ -1,6 +1,7 @@
 """The S3-compatible chunk store: conditional puts, multipart uploads, ranged parallel gets (boto3).
 
-The multipart upload is in `chunkstore.s3_multipart`, stateless helpers in `chunkstore.s3_helpers`.
+The multipart upload is in `chunkstore.s3_multipart`, the error mapping in `chunkstore.s3_errors`,
+stateless helpers in `chunkstore.s3_helpers`.
 """
 
 from __future__ import annotations
@@ -16,17 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import boto3
 from botocore.config import Config
-from botocore.exceptions import (
-    BotoCoreError,
-    ClientError,
-    FlexibleChecksumError,
-    IncompleteReadError,
-    NoCredentialsError,
-    PartialCredentialsError,
-    ProfileNotFound,
-    ReadTimeoutError,
-    ResponseStreamingError,
-)
+from botocore.exceptions import BotoCoreError, ClientError, FlexibleChecksumError
 from typing_extensions import Buffer
 
 from chunkstore.base import (
@@ -46,9 +37,9 @@ from chunkstore.errors import (
     ChunkStoreError,
     StoreUnavailableError,
     StoreURLError,
-    StoreWriteError,
 )
 from chunkstore.local import check_content_address
+from chunkstore.s3_errors import STREAM_ERRORS, checksum_mismatch, map_error
 from chunkstore.s3_helpers import (
     CONTENT_TYPE,
     MiB,
@@ -77,11 +68,6 @@ MAX_PART_SIZE = 5 * 1024 * MiB
 DEFAULT_MULTIPART_THRESHOLD = 64 * MiB
 DEFAULT_PART_SIZE = 16 * MiB
 DEFAULT_REFRESH_AFTER_S = 900.0
-_NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
-# Raised by a response body while it streams: outside botocore's retries.
-_STREAM_ERRORS = (ReadTimeoutError, IncompleteReadError, ResponseStreamingError)
-# Nothing was sent at all: a put failing this way certainly did not land.
-_NOT_SENT_ERRORS = (NoCredentialsError, PartialCredentialsError, ProfileNotFound)
 
 RetryMode = Literal["standard", "adaptive"]
 AddressingStyle = Literal["path", "virtual", "auto"]
@@ -241,41 +227,9 @@ class S3Store(ChunkStore):
     def _map_error(
         self, op: str, key: str | None, exc: Exception, *, attempts: int | None = None
     ) -> ChunkStoreError:
-        what = (
-            (f"{op} of {key}" if key.startswith("document ") else f"{op} of blob {key}")
-            if key
-            else op
-        )
         if attempts is None:
             attempts = max(1, getattr(self._attempts, "n", 1))
-        tried = f"after {attempts} attempt(s) (retried {attempts - 1} times)"
-        writing = op in ("put", "multipart put")
-        if isinstance(exc, ClientError):
-            code = str(exc.response.get("Error", {}).get("Code", "?"))
-            status = http_status(exc)
-            message = str(exc.response.get("Error", {}).get("Message", "")).strip()
-            detail = f"{code} (HTTP {status}){': ' + message if message else ''}"
-            if status == 404 and code in _NOT_FOUND_CODES:
-                return BlobNotFoundError(f"{self._name}: no {what.split(' of ', 1)[-1]}")
-            if writing and 400 <= status < 500 and status not in (408, 429):
-                return StoreWriteError(f"{self._name}: {what} was rejected, did not land: {detail}")
-            outcome = "; outcome unknown" if writing else ""
-            return StoreUnavailableError(f"{self._name}: {what} failed {tried}: {detail}{outcome}")
-        if isinstance(exc, _NOT_SENT_ERRORS):
-            cls = StoreWriteError if writing else StoreUnavailableError
-            return cls(f"{self._name}: {what} failed before sending: {type(exc).__name__}: {exc}")
-        outcome = "; outcome unknown" if writing else ""
-        return StoreUnavailableError(
-            f"{self._name}: {what} failed {tried}: {type(exc).__name__}: {exc}{outcome}"
-        )
-
-    def _checksum_mismatch(self, key: str, exc: FlexibleChecksumError) -> ChunkIntegrityError:
-        # The same evidence as bytes failing their digest (flipped in transit or
-        # at rest), so callers apply the same policy: read again, then condemn.
-        # Left as botocore's error it escaped every caller's handling.
-        return ChunkIntegrityError(
-            f"{self._name}: blob {key} does not match the checksum the server sent with it: {exc}"
-        )
+        return map_error(self._name, op, key, exc, attempts)
 
     def _head(self, key: str) -> Mapping[str, Any]:
         obj = self.object_key(key)
@@ -474,7 +428,7 @@ class S3Store(ChunkStore):
         for attempt in range(1, self.max_attempts + 1):
             try:
                 return read()
-            except _STREAM_ERRORS as exc:
+            except STREAM_ERRORS as exc:
                 if attempt == self.max_attempts:
                     raise self._map_error("get", key, exc, attempts=attempt) from exc
                 logger.debug("%s: get of blob %s broke off (%s); retrying", self._name, key, exc)
@@ -488,8 +442,8 @@ class S3Store(ChunkStore):
             yield
         except FlexibleChecksumError as exc:
             body.close()
-            raise self._checksum_mismatch(key, exc) from exc
-        except _STREAM_ERRORS:
+            raise checksum_mismatch(self._name, key, exc) from exc
+        except STREAM_ERRORS:
             body.close()
             raise
 

@@ -6,7 +6,8 @@ and restores of new prompts. What the pool holds is kept in step with the
 catalog (resident replicas at `worker:<id>`, demand, reconcile on start) by
 `restore.residency.Residency`; a restore is planned by `restore.planner.Planner`
 (fork resident pages, restore from a tier, or recompute). This module is the
-HTTP face of both, and the translation of their errors into statuses.
+HTTP face of both, and the translation of their errors into statuses; the
+request bodies and `DaemonError` are `kvc.daemon_wire`.
 
 `POST /v1/prefill` computes KV with the in-tree reference decoder: it is the
 reference-engine hook that lets tests and the demo drive a daemon without a
@@ -21,12 +22,11 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Annotated, Any
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from catalog import Fingerprint, fingerprint_hex
 from catalog.base import CatalogAPI
@@ -35,7 +35,16 @@ from catalog.errors import CatalogError, IdentityError, NotFoundError
 from chunkstore import ChunkStore
 from chunkstore.errors import ChunkStoreError
 from kvc import __version__
-from restore.checkpoint import DEFAULT_WRITE_BEHIND_BYTES, Checkpointer, write_behind_store
+from kvc.daemon_wire import (
+    CheckpointRequest,
+    ConfigureRequest,
+    DaemonError,
+    PrefillRequest,
+    RestoreRequest,
+    RouteRequest,
+    field_name,
+)
+from restore.checkpoint import Checkpointer
 from restore.engines.reference import ReferenceModel
 from restore.errors import (
     CheckpointBusyError,
@@ -48,6 +57,7 @@ from restore.pool import PagePool
 from restore.residency import DEFAULT_DEMAND_TTL_S, Residency, timer_interval
 from restore.restore import Restorer
 from restore.reuse import reuse_prefix
+from restore.write_behind import DEFAULT_WRITE_BEHIND_BYTES, write_behind_store
 
 __all__ = [
     "CheckpointRequest",
@@ -61,7 +71,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-MAX_TOKENS = 1 << 20
 REFERENCE = "reference"
 DEFAULT_INVALIDATION_INTERVAL = 2.0
 # The planner's prefill rate until the engine says (configure's prefill_tokens_per_s):
@@ -75,55 +84,6 @@ _COUNTS = (
     *("restored_tokens", "restored_bytes", "planned_forks", "planned_restores"),
     "planned_recomputes",
 )
-
-Token = Annotated[StrictInt, Field(ge=0, le=0xFFFFFFFF)]
-Tokens = Annotated[list[Token], Field(min_length=1, max_length=MAX_TOKENS)]
-
-
-class _Body(BaseModel):
-    # A misspelt field is a 422 naming it, not a silently ignored option.
-    model_config = ConfigDict(extra="forbid")
-
-
-class ConfigureRequest(_Body):
-    """`fingerprint`: a descriptor, the hex of a catalogued one, or "reference"."""
-
-    fingerprint: dict[str, Any] | Annotated[StrictStr, Field(min_length=1, max_length=200)]
-    num_pages: Annotated[StrictInt, Field(ge=1)]
-    page_size: Annotated[StrictInt, Field(ge=1, le=4096)] | None = None
-    prefill_tokens_per_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
-
-
-class PrefillRequest(_Body):
-    """Reference-engine hook: feed `tokens` to a new route, or after the end of `route`."""
-
-    tokens: Tokens
-    route: StrictInt | None = None
-
-
-class CheckpointRequest(_Body):
-    route: StrictInt
-    tokens: Tokens
-    name: Annotated[StrictStr, Field(min_length=1, max_length=512)] | None = None
-    pending: Token | None = None
-
-
-class RestoreRequest(_Body):
-    tokens: Tokens
-
-
-class RouteRequest(_Body):
-    route: StrictInt
-
-
-class DaemonError(Exception):
-    """A request the daemon refuses: `status` is the HTTP status, `field` the body field at fault."""
-
-    def __init__(self, status: int, message: str, *, field: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.field = field
 
 
 class Daemon:
@@ -517,15 +477,6 @@ def _translate(op: str, exc: Exception) -> DaemonError:
     )
 
 
-def _field(loc: Sequence[int | str]) -> str:
-    parts = [str(p) for p in loc]
-    if parts and parts[0] == "body":
-        parts = parts[1:]
-    # Union members appear in the location (e.g. "str", "dict[str,any]"): not a field name.
-    parts = [p for p in parts if p.isidentifier() or p.isdigit()]
-    return ".".join(parts) or "body"
-
-
 def create_daemon_app(daemon: Daemon) -> FastAPI:
     """The daemon's HTTP API (see docs/daemon.md); serve it on loopback."""
     app = FastAPI(
@@ -548,7 +499,7 @@ def create_daemon_app(daemon: Daemon) -> FastAPI:
         problems: list[str] = []
         fields: list[str] = []
         for e in exc.errors():
-            name = _field(e.get("loc", ()))
+            name = field_name(e.get("loc", ()))
             if e.get("type") == "json_invalid":
                 name = "body"
             if name not in fields:

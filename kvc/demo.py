@@ -14,10 +14,11 @@ import numpy as np
 from catalog import Catalog
 from catalog.base import CatalogAPI
 from chunkstore import ChunkStore
-from restore.checkpoint import Checkpointer, write_behind_store
+from restore.checkpoint import Checkpointer
 from restore.engines.reference import ReferenceModel
 from restore.pool import PagePool
 from restore.restore import Restorer
+from restore.write_behind import write_behind_store
 
 
 @dataclass

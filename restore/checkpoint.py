@@ -8,7 +8,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,38 +18,21 @@ from catalog import Fingerprint, chain_root, prefix_hashes
 from catalog.base import CatalogAPI
 from catalog.errors import MissingParentError, NotFoundError, PurgeInProgressError
 from catalog.identity import token_array
-from catalog.models import ChunkRecord, ReplicaReceipt, Shard
-from chunkstore import ChunkStore, Receipt, Tier
+from catalog.models import ChunkRecord, Shard
+from chunkstore import ChunkStore
 from chunkstore.codecs import DEFAULT_CODEC
-from chunkstore.errors import ChunkStoreError
 from chunkstore.record import check_finite, encode_chunk
 from restore.descriptors import store_descriptor
 from restore.destination import KVSnapshot
 from restore.errors import CheckpointBusyError, RestoreError
 from restore.pool import PagePool
+from restore.write_behind import DEFAULT_WRITE_BEHIND_BYTES as DEFAULT_WRITE_BEHIND_BYTES
+from restore.write_behind import DEFAULT_WRITE_BEHIND_WAIT_S as DEFAULT_WRITE_BEHIND_WAIT_S
+from restore.write_behind import WriteBehind
+from restore.write_behind import to_replica_receipt as to_replica_receipt
+from restore.write_behind import write_behind_store as write_behind_store
 
 log = logging.getLogger(__name__)
-
-DEFAULT_WRITE_BEHIND_BYTES = 256 << 20  # encoded bytes of write-behind uploads pending at once
-DEFAULT_WRITE_BEHIND_WAIT_S = 30.0  # how long an explicit checkpoint waits for room in them
-
-
-def write_behind_store(stores: Sequence[ChunkStore]) -> ChunkStore | None:
-    """Of the stores after the first, the one that gets write-behind copies: the first object store."""
-    return next((s for s in stores if s.tier == "object"), None)
-
-
-def to_replica_receipt(receipt: Receipt, tier: Tier) -> ReplicaReceipt:
-    """The catalog's form of a store's receipt, for a replica in `tier` (the store's `tier`)."""
-    return ReplicaReceipt(
-        location=receipt.store,
-        tier=tier,
-        size=receipt.size,
-        checksum=receipt.checksum,
-        stored_at=receipt.stored_at,
-        etag=receipt.etag,
-        version=receipt.version,
-    )
 
 
 @dataclass
@@ -117,10 +100,6 @@ class Checkpointer:
         write_behind_bytes: int = DEFAULT_WRITE_BEHIND_BYTES,
         write_behind_wait_s: float = DEFAULT_WRITE_BEHIND_WAIT_S,
     ) -> None:
-        if write_behind_bytes < 1:
-            raise ValueError(f"write_behind_bytes must be >= 1, got {write_behind_bytes!r}")
-        if not write_behind_wait_s >= 0:
-            raise ValueError(f"write_behind_wait_s must be >= 0, got {write_behind_wait_s!r}")
         self.catalog = catalog
         self.purge_wait_s = purge_wait_s
         self.store = store
@@ -143,12 +122,17 @@ class Checkpointer:
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._queued = 0
         self._worker: threading.Thread | None = None
-        self._uploads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvc-write-behind")
-        self._upload_futures: set[Future[None]] = set()
-        self.write_behind_bytes = write_behind_bytes
-        self.write_behind_wait_s = write_behind_wait_s
-        self._wb_pending = 0  # encoded bytes of uploads admitted and not yet put (or failed)
-        self._wb_room = threading.Condition(self._lock)
+        self._wb = WriteBehind(
+            write_behind,
+            catalog,
+            namespace=namespace,
+            actor=actor,
+            budget=write_behind_bytes,
+            wait_s=write_behind_wait_s,
+            dropped=self.dropped,
+            lock=self._lock,
+            describe=self._describe,
+        )
         self._described: set[tuple[str, str]] = set()  # (store name, fingerprint hex) written
         self._closed = False
 
@@ -305,7 +289,7 @@ class Checkpointer:
                 seconds["encode"] += time.perf_counter() - t
                 # Room for the upload is taken before the local put, so an explicit
                 # checkpoint refused for lack of it leaves no bytes of this chunk.
-                upload = self.write_behind is not None and self._admit_upload(
+                upload = self.write_behind is not None and self._wb.admit(
                     len(enc.data), speculative
                 )
                 t = time.perf_counter()
@@ -313,7 +297,7 @@ class Checkpointer:
                     receipt = self.store.put(enc.key, enc.data)
                 except BaseException:
                     if upload:
-                        self._release_upload(len(enc.data))
+                        self._wb.release(len(enc.data))
                     raise
                 seconds["store"] += time.perf_counter() - t
                 stored += len(enc.data)
@@ -334,7 +318,7 @@ class Checkpointer:
                     )
                 )
                 if upload:
-                    self._upload_later(enc.key, enc.data, fp, catalogued)
+                    self._wb.upload_later(enc.key, enc.data, fp, catalogued)
             t = time.perf_counter()
             if records:
                 self.catalog.record_chunks(records, actor=self.actor)
@@ -394,97 +378,25 @@ class Checkpointer:
     def write_behind_pending_bytes(self) -> int:
         """Encoded bytes of write-behind uploads admitted and not yet put (at most
         `write_behind_bytes`, or one chunk larger than that alone)."""
-        with self._lock:
-            return self._wb_pending
+        return self._wb.pending_bytes
 
-    def _admit_upload(self, nbytes: int, speculative: bool) -> bool:
-        """Take `nbytes` of the write-behind budget: True if taken; False (counted) when a
-        speculative capture finds it full; an explicit one waits, then is refused."""
+    @property
+    def write_behind_bytes(self) -> int:
+        """The write-behind budget: encoded bytes of uploads pending at once."""
+        return self._wb.budget
 
-        def fits() -> bool:
-            return self._wb_pending == 0 or self._wb_pending + nbytes <= self.write_behind_bytes
+    @write_behind_bytes.setter
+    def write_behind_bytes(self, value: int) -> None:
+        self._wb.budget = value
 
-        with self._wb_room:
-            if not fits():
-                if speculative:
-                    self.dropped["write_behind_budget"] += 1
-                    return False
-                if not self._wb_room.wait_for(fits, timeout=self.write_behind_wait_s):
-                    raise CheckpointBusyError(
-                        f"write-behind uploads busy: {self._wb_pending} of "
-                        f"{self.write_behind_bytes} bytes pending for "
-                        f"{self.write_behind_wait_s:g} s (the object store is slow or down)"
-                    )
-            self._wb_pending += nbytes
-            return True
+    @property
+    def write_behind_wait_s(self) -> float:
+        """How long an explicit checkpoint waits for room in the write-behind budget."""
+        return self._wb.wait_s
 
-    def _release_upload(self, nbytes: int) -> None:
-        with self._wb_room:
-            self._wb_pending -= nbytes
-            self._wb_room.notify_all()
-
-    def _upload_later(
-        self, key: str, data: bytes, fp: Fingerprint, catalogued: Future[bool]
-    ) -> None:
-        """Upload now (its room in the budget already taken); record the replica once
-        `catalogued` says the chunk's row exists (a replica of a chunk not yet
-        catalogued would be refused, and lost)."""
-        target = self.write_behind
-        assert target is not None
-        nbytes = len(data)
-        held = [data]  # emptied after the put, so the bytes go as their room is given back
-
-        def upload() -> None:
-            try:
-                self._describe(target, fp)
-                receipt = target.put(key, held.pop())
-            except ChunkStoreError as exc:
-                # The local replica is durable and catalogued; the object-store
-                # replica simply does not exist until a later upload succeeds.
-                log.warning("write-behind upload of %s to %s failed: %s", key, target.name, exc)
-                with self._lock:
-                    self.dropped["write_behind_failed"] += 1
-                return
-            finally:
-                held.clear()
-                # Given back before waiting for the catalog: a publish waiting for room
-                # never waits on its own uploads' catalog step.
-                self._release_upload(nbytes)
-            if not catalogued.result():
-                # The publish failed: these bytes are an orphan like the local ones,
-                # reclaimed by GC after its grace period.
-                with self._lock:
-                    self.dropped["write_behind_unpublished"] += 1
-                return
-            try:
-                self.catalog.record_replica(
-                    key,
-                    to_replica_receipt(receipt, target.tier),
-                    namespace=self.namespace,
-                    actor=self.actor,
-                )
-            except (PurgeInProgressError, NotFoundError) as exc:
-                # GC purged the chunk while it was uploading: the uploaded bytes are an
-                # orphan that a later GC deletes once past its grace period.
-                log.warning("write-behind replica of %s not recorded: %s", key, exc)
-                with self._lock:
-                    self.dropped["write_behind_purged"] += 1
-
-        with self._lock:
-            try:
-                fut = self._uploads.submit(upload)
-            except RuntimeError:  # closed under a publish still running
-                held.clear()
-                self._wb_pending -= nbytes
-                self._wb_room.notify_all()
-                self.dropped["write_behind_closed"] += 1
-                return
-            self._upload_futures.add(fut)
-        fut.add_done_callback(self._upload_done)
-
-    def _upload_done(self, fut: Future[None]) -> None:
-        with self._lock:
-            self._upload_futures.discard(fut)
+    @write_behind_wait_s.setter
+    def write_behind_wait_s(self, value: float) -> None:
+        self._wb.wait_s = value
 
     # -- asynchronous ------------------------------------------------------------
 
@@ -603,11 +515,7 @@ class Checkpointer:
         if self._worker is not None:
             self._queue.put(None)
             self._worker.join()
-        with self._lock:
-            futures = list(self._upload_futures)
-        for f in futures:
-            f.result()
-        self._uploads.shutdown(wait=True)
+        self._wb.close()
 
     def __enter__(self) -> Checkpointer:
         return self

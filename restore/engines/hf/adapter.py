@@ -16,16 +16,12 @@ from catalog.base import CatalogAPI
 from catalog.models import Shard
 from chunkstore import ChunkStore
 from chunkstore.codecs import DEFAULT_CODEC
-from restore.checkpoint import (
-    DEFAULT_WRITE_BEHIND_BYTES,
-    Checkpointer,
-    CheckpointResult,
-    write_behind_store,
-)
+from restore.checkpoint import Checkpointer, CheckpointResult
 from restore.engines.hf.cache import CacheDestination, CacheSnapshot
 from restore.engines.hf.identity import check_cache, model_fingerprint, token_ids
 from restore.errors import InputError
 from restore.restore import Restorer, RestoreResult
+from restore.write_behind import DEFAULT_WRITE_BEHIND_BYTES, write_behind_store
 
 __all__ = ["HFAdapter"]
 
