@@ -171,7 +171,7 @@ def restore_section(n: int, reps: int, use_s3: bool, tmp: Path) -> list[tuple[st
             s3 = open_store(f"s3://{srv.bucket}/bench?endpoint_url={srv.endpoint_url}&region={srv.region}")
             for key in local.keys():
                 rcpt = s3.put(key, local.get(key))
-                from restore.checkpoint import to_replica_receipt
+                from restore.write_behind import to_replica_receipt
 
                 cat.record_replica(key, to_replica_receipt(rcpt, "object"))
             rows.append(("kvc restore, S3 (SeaweedFS)", median_s(restore_from([s3]), reps), "verified"))

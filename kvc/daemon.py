@@ -59,15 +59,7 @@ from restore.restore import Restorer
 from restore.reuse import reuse_prefix
 from restore.write_behind import DEFAULT_WRITE_BEHIND_BYTES, write_behind_store
 
-__all__ = [
-    "CheckpointRequest",
-    "ConfigureRequest",
-    "Daemon",
-    "DaemonError",
-    "PrefillRequest",
-    "RestoreRequest",
-    "create_daemon_app",
-]
+__all__ = ["Daemon", "create_daemon_app"]
 
 log = logging.getLogger(__name__)
 

@@ -26,11 +26,12 @@ from restore.descriptors import store_descriptor
 from restore.destination import KVSnapshot
 from restore.errors import CheckpointBusyError, RestoreError
 from restore.pool import PagePool
-from restore.write_behind import DEFAULT_WRITE_BEHIND_BYTES as DEFAULT_WRITE_BEHIND_BYTES
-from restore.write_behind import DEFAULT_WRITE_BEHIND_WAIT_S as DEFAULT_WRITE_BEHIND_WAIT_S
-from restore.write_behind import WriteBehind
-from restore.write_behind import to_replica_receipt as to_replica_receipt
-from restore.write_behind import write_behind_store as write_behind_store
+from restore.write_behind import (
+    DEFAULT_WRITE_BEHIND_BYTES,
+    DEFAULT_WRITE_BEHIND_WAIT_S,
+    WriteBehind,
+    to_replica_receipt,
+)
 
 log = logging.getLogger(__name__)
 

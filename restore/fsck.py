@@ -30,10 +30,10 @@ from chunkstore.errors import (
     ChunkStoreError,
 )
 from chunkstore.record import decode_chunk
-from restore.checkpoint import to_replica_receipt
 from restore.descriptors import store_descriptor
 from restore.errors import InputError
 from restore.progress import Progress
+from restore.write_behind import to_replica_receipt
 
 log = logging.getLogger(__name__)
 

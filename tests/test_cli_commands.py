@@ -392,7 +392,7 @@ def test_fsck_read_data_records_the_verification_time(home: Home) -> None:
 
 def test_fsck_repairs_a_corrupt_replica_from_a_good_one(home: Home, tmp_path: Path) -> None:
     from chunkstore.record import decode_chunk
-    from restore.checkpoint import to_replica_receipt
+    from restore.write_behind import to_replica_receipt
 
     second = open_store(f"file://{tmp_path / 'second'}")
     with Catalog.open(home.catalog_url) as cat:

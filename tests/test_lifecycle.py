@@ -112,7 +112,7 @@ def test_fsck_reports_and_marks_missing_and_corrupt(home: tuple[Home, Catalog, C
 def test_fsck_repairs_from_a_second_store_and_revives(
     home: tuple[Home, Catalog, ChunkStore], tmp_path: Path
 ) -> None:
-    from restore.checkpoint import to_replica_receipt
+    from restore.write_behind import to_replica_receipt
 
     h, cat, store = home
     second = open_store(f"file://{tmp_path / 'second'}")

@@ -24,10 +24,11 @@ import pytest
 from catalog import Catalog
 from chunkstore import ChunkStore, open_store
 from chunkstore.errors import StoreUnavailableError
-from restore.checkpoint import Checkpointer, to_replica_receipt
+from restore.checkpoint import Checkpointer
 from restore.engines.reference import ReferenceModel
 from restore.pool import PagePool
 from restore.restore import Restorer
+from restore.write_behind import to_replica_receipt
 from tests.store_wrappers import Delegating
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -155,7 +156,8 @@ import json, resource, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 from catalog import Catalog
 from chunkstore import open_store
-from restore.checkpoint import Checkpointer, to_replica_receipt
+from restore.checkpoint import Checkpointer
+from restore.write_behind import to_replica_receipt
 from restore.engines.reference import ReferenceModel
 from restore.pool import PagePool
 args = json.loads(sys.argv[1])

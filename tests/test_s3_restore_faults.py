@@ -26,10 +26,11 @@ from catalog import Catalog
 from chunkstore import ChunkStore, open_store
 from chunkstore.errors import ChunkIntegrityError, StoreUnavailableError
 from chunkstore.local import LocalStore
-from restore.checkpoint import Checkpointer, to_replica_receipt
+from restore.checkpoint import Checkpointer
 from restore.engines.reference import ReferenceModel
 from restore.pool import PagePool
 from restore.restore import Restorer, RestoreResult
+from restore.write_behind import to_replica_receipt
 from tests.fault_proxy import Action, FaultProxy, Seen
 from tests.services import S3Server
 
