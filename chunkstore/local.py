@@ -162,14 +162,7 @@ class LocalStore(ChunkStore):
         created = self._make_shard_dirs(key)
         tmp = final.parent / f"{TEMP_PREFIX}{key}-{uuid.uuid4().hex}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, _BLOB_MODE)
-            try:
-                written = 0
-                while written < view.nbytes:
-                    written += os.write(fd, view[written:])
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _write_synced(tmp, view)
             os.rename(tmp, final)
         except OSError as exc:
             with contextlib.suppress(OSError):
@@ -178,11 +171,7 @@ class LocalStore(ChunkStore):
                 f"{self._name}: put of blob {key} did not land: {exc.strerror or exc}"
             ) from exc
         try:
-            # The rename is durable only once its directory is; new shard
-            # directories need their own entries made durable in turn.
-            _fsync_dir(final.parent)
-            for d in created:
-                _fsync_dir(d.parent)
+            _fsync_entry(final, created)
             st = final.stat()
         except OSError as exc:
             raise StoreUnavailableError(
@@ -306,15 +295,7 @@ class LocalStore(ChunkStore):
                 ) from exc
         tmp = final.parent / f"{TEMP_PREFIX}{uuid.uuid4().hex}"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, _BLOB_MODE)
-            try:
-                view = memoryview(data)
-                written = 0
-                while written < view.nbytes:
-                    written += os.write(fd, view[written:])
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _write_synced(tmp, memoryview(data))
             try:
                 os.link(tmp, final)  # never replaces: the first document under a name wins
             except FileExistsError:
@@ -328,9 +309,7 @@ class LocalStore(ChunkStore):
                 f"{self._name}: put of document {name} did not land: {exc.strerror or exc}"
             ) from exc
         try:
-            _fsync_dir(final.parent)
-            for d in created:
-                _fsync_dir(d.parent)
+            _fsync_entry(final, created)
         except OSError as exc:
             raise StoreUnavailableError(
                 f"{self._name}: document {name} was written but making it durable failed "
@@ -384,6 +363,26 @@ class LocalStore(ChunkStore):
         if removed:
             logger.info("%s: swept %d stale temp file(s)", self._name, removed)
         return removed
+
+
+def _write_synced(path: Path, data: memoryview) -> None:
+    """Write `data` to the new file `path` (read-only) and fsync it; OSError on failure."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, _BLOB_MODE)
+    try:
+        written = 0
+        while written < data.nbytes:
+            written += os.write(fd, data[written:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_entry(path: Path, created: list[Path]) -> None:
+    """Make `path`'s new directory entry durable: a rename or link is durable only once its
+    directory is, and directories created for it need their own entries made durable."""
+    _fsync_dir(path.parent)
+    for d in created:
+        _fsync_dir(d.parent)
 
 
 def _hex2(name: str) -> bool:
