@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import blake3
 
@@ -12,6 +16,22 @@ from chunkstore import open_store
 from restore.engines.reference import ReferenceModel
 from restore.pool import PagePool
 from restore.restore import Restorer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def resume_in_new_process(args: dict[str, Any]) -> Any:
+    """Run this worker in a fresh Python process with `args`; its JSON report."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.resume_worker", json.dumps(args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
 
 
 def main() -> None:

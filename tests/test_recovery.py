@@ -29,6 +29,7 @@ from restore import Checkpointer, PagePool, Restorer
 from restore.descriptors import descriptor_name, load_descriptors, read_descriptor
 from restore.engines.reference import ReferenceModel
 from restore.rebuild import rebuild
+from tests.resume_worker import resume_in_new_process
 
 SEED = 0
 PAGE = 16
@@ -99,16 +100,7 @@ def restore_in_new_process(catalog_url: str, store_urls: list[str], toks: list[i
         "prompt": toks,
         "n": 6,
     }
-    out = subprocess.run(
-        [sys.executable, "-m", "tests.resume_worker", json.dumps(args)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
+    return resume_in_new_process(args)
 
 
 def run_cli(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:

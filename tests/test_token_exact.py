@@ -5,10 +5,7 @@ Runs on SQLite and PostgreSQL, with local and S3 (SeaweedFS) stores.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +21,7 @@ from restore.checkpoint import Checkpointer
 from restore.engines.reference import ReferenceModel
 from restore.pool import PagePool
 from restore.restore import Restorer
+from tests.resume_worker import resume_in_new_process
 
 SEED = 0
 PAGE = 16
@@ -114,16 +112,7 @@ def test_resume_in_a_new_process_is_bit_identical(env: Env) -> None:
         "prompt": p,
         "n": 6,
     }
-    out = subprocess.run(
-        [sys.executable, "-m", "tests.resume_worker", json.dumps(args)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert out.returncode == 0, out.stderr
-    got = json.loads(out.stdout)
+    got = resume_in_new_process(args)
     assert got["restored"] == 99  # 3 full chunks and 3 of the 4-token tail; the last token is fed
     assert got["tokens"] == want_tokens
     assert got["logits"] == want_logits
