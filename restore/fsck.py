@@ -3,7 +3,9 @@
 Each replica at one of the stores must exist with its receipt's size; with
 `read_data` its bytes must hash to its key and decode as a valid record.
 Broken replicas are marked `missing` or `corrupt` (restores then skip them); a
-replica marked broken that checks out again is marked `durable`. Replicas at
+replica marked broken that checks out again is marked `durable` (a `corrupt`
+one only after `read_data`: without it, one a reader marked corrupt is
+reported as corrupt, since existence and size cannot clear it). Replicas at
 other locations (other stores, workers) are counted as not checked. With
 `repair`, a missing or corrupt replica gets the bytes of another replica of
 the same blob in one of the stores, once those verify.
@@ -180,6 +182,11 @@ def fsck(
                 finally:
                     if isinstance(data, memoryview):
                         data.release()
+            elif state == "corrupt":
+                # A reader found these bytes bad; existence and size cannot say otherwise.
+                reason = "marked corrupt by a reader (--read-data verifies it again)"
+                report.corrupt.append(ReplicaProblem(key, loc, state, reason))
+                continue
         except BlobNotFoundError:
             report.missing.append(ReplicaProblem(key, loc, state, "not in the store"))
             mark(key, loc, "missing", "fsck: not in the store", state)

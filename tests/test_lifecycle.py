@@ -107,6 +107,11 @@ def test_fsck_reports_and_marks_missing_and_corrupt(home: tuple[Home, Catalog, C
     assert state(cat, k1, store.name) == "corrupt" and state(cat, k0, store.name) == "durable"
     assert full.repaired == []  # no other store to repair from
     assert full.to_dict()["corrupt"][0]["blob_key"] == k1
+    # Existence and size cannot clear a corrupt mark: a quick check still lists it.
+    again = fsck(cat, [store])
+    assert [c.blob_key for c in again.corrupt] == [k1] and not again.clean
+    assert "marked corrupt" in again.corrupt[0].reason
+    assert state(cat, k1, store.name) == "corrupt"
 
 
 def test_fsck_repairs_from_a_second_store_and_revives(

@@ -186,7 +186,9 @@ def test_corrupt_blobs(site: Site) -> None:
     # store's copy is used, so the restore is still whole and token-exact.
     assert_restores_exactly(site, site.prompt)
     assert site.replica_states()[(key, a_name)] == "corrupt"
-    assert site.kvc_json("fsck")["clean"]  # existence and size alone cannot see bit rot
+    # Plain fsck cannot see bit rot (existence and size), but it lists what a reader marked.
+    doc = site.kvc_json("fsck", "--no-repair", code=1)
+    assert [(c["blob_key"], c["location"]) for c in doc["corrupt"]] == [(key, a_name)]
 
     # (b) 1. `kvc fsck --read-data --no-repair`: finds it (exit 1).
     doc = site.kvc_json("fsck", "--read-data", "--no-repair", code=1)
