@@ -133,3 +133,22 @@ def check_schema(engine: Engine, url: str) -> None:
         f"catalog {where} is at schema revision {current}, this kvc needs {head}; "
         "run `kvc db upgrade` (back up the database first)"
     )
+
+
+def has_schema(url: str) -> bool:
+    """Whether a kvc catalog schema exists at `url`, creating nothing (a missing or empty
+    SQLite file is no catalog). `CatalogError` for a malformed URL; the database's own
+    error when it cannot be reached."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        parsed = None
+    if parsed is not None and parsed.get_backend_name() == "sqlite":
+        path = Path(parsed.database or "")
+        if not path.is_file() or path.stat().st_size == 0:
+            return False
+    engine = create_engine(url)
+    try:
+        return current_revision(engine) is not None
+    finally:
+        engine.dispose()

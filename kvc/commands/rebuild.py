@@ -87,27 +87,12 @@ def _load_fingerprints(path: str | None) -> dict[str, Any]:
 def _dry_run_catalog(settings: Settings) -> Iterator[Any]:
     """The target catalog for a dry run, opened without creating or upgrading anything;
     None when there is no catalog there yet (a dry run then compares against nothing)."""
-    from sqlalchemy.engine import make_url
-
     from catalog import database
     from catalog.errors import CatalogError
 
     url = settings.resolved_catalog_url
     try:
-        parsed = make_url(url)
-    except Exception:  # malformed: let open_catalog say so
-        parsed = None
-    if parsed is not None and parsed.get_backend_name() == "sqlite":
-        path = Path(parsed.database or "")
-        if not path.is_file() or path.stat().st_size == 0:
-            yield None
-            return
-    try:
-        engine = database.create_engine(url)
-        try:
-            empty = database.current_revision(engine) is None
-        finally:
-            engine.dispose()
+        empty = not database.has_schema(url)
     except CatalogError as exc:
         fail(str(exc), EXIT_USAGE)
     except Exception as exc:  # unreachable server, ...
