@@ -252,6 +252,9 @@ def start_seaweedfs(deadline_s: float = 90) -> Iterator[S3Server]:
                 f"-s3.localSocket={root}/s3.sock",
                 "-volume.max=0",
                 "-master.volumeSizeLimitMB=256",
+                # The default (1% of the disk) refuses every write on a big, nearly full
+                # disk (a CI machine with 1.7 GB of 252 GB free); the suite needs far less.
+                "-volume.minFreeSpace=256MiB",
             ],
             stdout=logf,
             stderr=subprocess.STDOUT,
