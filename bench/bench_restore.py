@@ -18,13 +18,18 @@ Sections, all in one run on the same machine:
 from __future__ import annotations
 
 import argparse
+import math
 import mmap
 import os
+import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +41,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from catalog import AttentionLayout, Fingerprint
 from catalog.catalog import Catalog
 from chunkstore import ChunkStore, open_store
+from chunkstore.record import decode_chunk
 from restore.checkpoint import Checkpointer
 from restore.engines.reference import ReferenceModel
 from restore.pool import PagePool
 from restore.restore import Restorer
+from restore.write_behind import to_replica_receipt
 
 LAYOUT = AttentionLayout(28, 4, 128, "float16")
 FP = Fingerprint.create(weights="bench-7b-like", architecture="llama", config={}, attention_layout=LAYOUT)
@@ -57,6 +64,26 @@ def median_s(fn: Callable[[], object], reps: int, before: Callable[[], object] |
         fn()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
+
+
+def interleaved(
+    fns: dict[str, Callable[[], object]], reps: int, before: Callable[[], object] | None = None
+) -> dict[str, float]:
+    """Median seconds of each fn, run in turn (a, b, c, a, b, c, ...) so that the machine's
+    noise falls on all of them alike; `before` runs untimed before every call."""
+    for fn in fns.values():
+        if before is not None:
+            before()
+        fn()  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            if before is not None:
+                before()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def kv_like(n: int, seed: int = 0) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
@@ -78,90 +105,139 @@ def drop_cache(paths: list[Path]) -> None:
             os.close(fd)
 
 
-def copy_into_pool(pool: PagePool, pages: list[int], kv: np.ndarray[Any, Any]) -> None:
-    """What any path must do at the end: put [L, 2, T, H, D] into pool pages."""
-    n = kv.shape[2]
-    for i, page in enumerate(pages):
-        a, b = i * PAGE, min(n, (i + 1) * PAGE)
-        pool.kv[:, :, page, : b - a] = kv[:, :, a:b]
+@dataclass
+class Blob:
+    """One stored chunk as the floors see it: its file, where its payload starts, its positions."""
+
+    path: Path
+    offset: int
+    start: int
+    count: int
 
 
-def restore_section(n: int, reps: int, use_s3: bool, tmp: Path) -> list[tuple[str, float, str]]:
+def floor_ops(
+    blobs: list[Blob], dst: PagePool, pages: list[int], threads: int
+) -> dict[str, Callable[[], object]]:
+    """The floors done by hand as well as a careful engineer would: the same blob files hashed
+    whole with blake3 and their payloads copied page by page into the same pool pages, the
+    work split by chunk over `threads` threads (every core)."""
+    ex = ThreadPoolExecutor(threads)
+    shape = (LAYOUT.num_layers, 2, CHUNK, LAYOUT.num_kv_heads, LAYOUT.head_dim)
+
+    def mmap_hash_copy(b: Blob, hash_threads: int) -> None:
+        with open(b.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            blake3.blake3(m, max_threads=hash_threads).digest()
+            arr = np.frombuffer(m, np.float16, math.prod(shape), b.offset).reshape(shape)
+            dst.write_pages(pages, b.start, arr[:, :, : b.count])
+            del arr
+
+    buffers = threading.local()
+
+    def read_hash_copy(b: Blob) -> None:
+        size = b.path.stat().st_size
+        buf = getattr(buffers, "buf", None)
+        if buf is None or len(buf) < size:
+            buf = buffers.buf = bytearray(size)
+        view = memoryview(buf)[:size]
+        with open(b.path, "rb", buffering=0) as f:
+            f.readinto(view)
+        blake3.blake3(view).digest()
+        arr = np.frombuffer(view, np.float16, math.prod(shape), b.offset).reshape(shape)
+        dst.write_pages(pages, b.start, arr[:, :, : b.count])
+
+    return {
+        "mmap+blake3+copy, hash 1 thread": lambda: list(ex.map(lambda b: mmap_hash_copy(b, 1), blobs)),
+        "mmap+blake3+copy, hash all threads": lambda: list(
+            ex.map(lambda b: mmap_hash_copy(b, blake3.blake3.AUTO), blobs)
+        ),
+        "read+blake3+copy": lambda: list(ex.map(read_hash_copy, blobs)),
+    }
+
+
+def restore_section(n: int, reps: int, use_s3: bool, parallel: int, tmp: Path) -> list[str]:
+    """Restore `n` tokens: kvc and the floors, interleaved, warm then cold; then S3."""
+    tmp = tmp / f"restore-{n}"
+    tmp.mkdir()
     k, v = kv_like(n + 1)
     toks = np.random.default_rng(1).integers(0, 50_000, n + 1).astype(np.uint32)
     src = PagePool(LAYOUT, page_size=PAGE, num_pages=(n + 1) // PAGE + 2)
     route = src.new_route()
     src.append(route, k, v)
+    del k, v
     kv_bytes = n * LAYOUT.bytes_per_token
     cat = Catalog.open(f"sqlite:///{tmp / 'catalog.db'}", upgrade=True)
     local = open_store(f"file://{tmp / 'blobs'}")
     with Checkpointer(cat, local, chunk_size=CHUNK) as cp:
         cp.checkpoint(src, route, toks[:n], FP)
-    blob_paths = [local.path_of(key) for key in local.keys()]  # type: ignore[attr-defined]
-    dst = PagePool(LAYOUT, page_size=PAGE, num_pages=n // PAGE + 2)
-    rows: list[tuple[str, float, str]] = []
+    match = cat.lookup("default", FP.hex, toks)
+    blobs = []
+    for c in match.chunks:
+        path = local.path_of(c.blob_key)  # type: ignore[attr-defined]
+        data = path.read_bytes()
+        offset = np.asarray(decode_chunk(data).kv).__array_interface__["data"][0] - np.frombuffer(
+            data, np.uint8
+        ).__array_interface__["data"][0]
+        blobs.append(Blob(path, int(offset), c.token_start, c.tokens_used))
+    blob_paths = [b.path for b in blobs]
+    dst = PagePool(LAYOUT, page_size=PAGE, num_pages=2 * (n // PAGE) + 2)  # the floors hold half
+    pages = dst.reserve_pages(n // PAGE)
+    threads = os.cpu_count() or 1
 
-    def restore_from(stores: list[ChunkStore]) -> Callable[[], None]:
-        restorer = Restorer(cat, stores, max_parallel=2)
+    def kvc_restore(stores: list[ChunkStore]) -> Callable[[], None]:
+        r = Restorer(cat, stores, max_parallel=parallel)
 
         def run() -> None:
-            res = restorer.restore(dst, toks, FP)
+            res = r.restore(dst, toks, FP)
             assert res.restored_tokens == n, res.restored_tokens
             assert res.route is not None
             dst.release(res.route)
 
         return run
 
-    # Floors: the same bytes, hashed and copied into the same pool, no kvc.
-    pages = dst.reserve_pages(n // PAGE)
-    payload = np.stack([k[:, :n], v[:, :n]], axis=1)
-    raw_file = tmp / "raw.bin"
-    raw_file.write_bytes(payload.tobytes())
-
-    def floor_hash_copy() -> None:
-        with open(raw_file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            blake3.blake3(m, max_threads=blake3.blake3.AUTO).digest()
-            arr = np.frombuffer(m, dtype=np.float16).reshape(payload.shape)
-            copy_into_pool(dst, pages, arr)
-            del arr
-
-    buf = bytearray(payload.nbytes)
-
-    def floor_read() -> None:
-        with open(raw_file, "rb", buffering=0) as f:
-            f.readinto(buf)
-
-    rows.append(("floor: mmap + blake3 + copy into pool", median_s(floor_hash_copy, reps), "warm"))
-    rows.append(("floor: file read", median_s(floor_read, reps), "warm"))
-    rows.append(("floor: file read", median_s(floor_read, reps, lambda: drop_cache([raw_file])), "cold"))
-
+    kvc_local = kvc_restore([local])
     # What a user would do instead: one file per session, loaded then copied in.
+    k_, v_ = src.read(route, 0, n)
+    payload = np.stack([k_, v_], axis=1)
+    del k_, v_
+    alts: dict[str, Callable[[], object]] = {}
     try:
         from safetensors.numpy import load_file, save_file
 
         st = tmp / "session.safetensors"
         save_file({"kv": payload}, str(st))
-        rows.append(
-            (
-                "alt: safetensors load + copy into pool",
-                median_s(lambda: copy_into_pool(dst, pages, load_file(str(st))["kv"]), reps),
-                "warm, unverified",
-            )
+        alts["safetensors load + copy (unverified)"] = lambda: dst.write_pages(
+            pages, 0, load_file(str(st))["kv"]
         )
     except ImportError:
         print("safetensors missing: pip install -e '.[bench]'", file=sys.stderr)
     npy = tmp / "session.npy"
     np.save(npy, payload)
-    rows.append(
-        ("alt: np.load + copy into pool", median_s(lambda: copy_into_pool(dst, pages, np.load(npy)), reps),
-         "warm, unverified")
+    del payload
+    alts["np.load + copy (unverified)"] = lambda: dst.write_pages(pages, 0, np.load(npy))
+
+    floors = floor_ops(blobs, dst, pages, threads)
+    warm = interleaved({**floors, "kvc": kvc_local, **alts}, reps)
+    cold = interleaved(
+        {**floors, "kvc": kvc_local}, max(3, reps // 2), lambda: drop_cache(blob_paths)
     )
+    gb = kv_bytes / 1e9
+    lines = [f"{n} tokens, {gb * 1e3:,.0f} MB of KV, {len(blobs)} chunks; floors on {threads} threads, "
+             f"kvc Restorer(max_parallel={parallel})"]
+
+    def table(title: str, times: dict[str, float], floor_names: Iterable[str]) -> None:
+        floor_name = min(floor_names, key=lambda name: times[name])
+        floor = times[floor_name]
+        lines.append(f"  {title}")
+        for name, sec in sorted(times.items(), key=lambda kv: kv[1]):
+            mark = "  <- floor" if name == floor_name else ""
+            lines.append(
+                f"    {name:<40} {sec * 1e3:9.1f} ms {gb / sec:6.2f} GB/s  {floor / sec:5.2f} of floor{mark}"
+            )
+
+    table("warm local (page cache holds the blobs)", warm, floors)
+    table("cold local (page cache dropped before each run)", cold, floors)
     dst.free_reserved(pages)
 
-    rows.append(("kvc restore, local", median_s(restore_from([local]), reps), "warm, verified"))
-    rows.append(
-        ("kvc restore, local", median_s(restore_from([local]), reps, lambda: drop_cache(blob_paths)), "cold, verified")
-    )
     if use_s3:
         from tests.services import start_seaweedfs
 
@@ -169,25 +245,22 @@ def restore_section(n: int, reps: int, use_s3: bool, tmp: Path) -> list[tuple[st
             os.environ["AWS_ACCESS_KEY_ID"] = srv.access_key
             os.environ["AWS_SECRET_ACCESS_KEY"] = srv.secret_key
             s3 = open_store(f"s3://{srv.bucket}/bench?endpoint_url={srv.endpoint_url}&region={srv.region}")
-            for key in local.keys():
-                rcpt = s3.put(key, local.get(key))
-                from restore.write_behind import to_replica_receipt
-
-                cat.record_replica(key, to_replica_receipt(rcpt, "object"))
-            rows.append(("kvc restore, S3 (SeaweedFS)", median_s(restore_from([s3]), reps), "verified"))
+            for c in match.chunks:
+                rcpt = s3.put(c.blob_key, local.get(c.blob_key))
+                cat.record_replica(c.blob_key, to_replica_receipt(rcpt, "object"))
             client, bucket = s3.client, s3.bucket  # type: ignore[attr-defined]
-            keys = [s3.object_key(key) for key in local.keys()]  # type: ignore[attr-defined]
-            rows.append(
-                (
-                    "floor: raw S3 GETs of the same blobs",
-                    median_s(lambda: [client.get_object(Bucket=bucket, Key=x)["Body"].read() for x in keys], reps),
-                    "sequential, no verify",
-                )
-            )
+            keys = [s3.object_key(c.blob_key) for c in match.chunks]  # type: ignore[attr-defined]
+            gets = ThreadPoolExecutor(parallel)
+
+            def raw_gets() -> None:
+                list(gets.map(lambda x: client.get_object(Bucket=bucket, Key=x)["Body"].read(), keys))
+
+            floor_name = f"raw GETs, {parallel} at a time, no verify"
+            s3_times = interleaved({floor_name: raw_gets, "kvc": kvc_restore([s3])}, max(3, reps // 2))
+            table("S3 (SeaweedFS on loopback)", s3_times, [floor_name])
             s3.close()
     cat.close()
-    print(f"KV restored per run: {n} tokens = {kv_bytes / 1e6:.0f} MB", file=sys.stderr)
-    return [(name, sec, note + f" | {kv_bytes / sec / 1e9:.2f} GB/s") for name, sec, note in rows]
+    return lines
 
 
 def storage_section(tmp: Path) -> list[str]:
@@ -255,32 +328,31 @@ def ttft_section(tmp: Path, reps: int) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--tokens", default="4096,32768", help="comma-separated prefix lengths")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--parallel", type=int, default=Restorer.DEFAULT_PARALLEL, help="kvc's max_parallel")
     ap.add_argument("--no-s3", action="store_true")
+    ap.add_argument("--only-restore", action="store_true", help="skip the storage and TTFT sections")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvc-bench-restore-"))
-    rows = restore_section(args.tokens, args.reps, not args.no_s3, tmp)
-    print(f"\nkvc restore bench: {args.tokens} tokens of fp16 KV, {LAYOUT.num_layers} layers x "
-          f"{LAYOUT.num_kv_heads} kv heads x {LAYOUT.head_dim} dim, page {PAGE}, chunk {CHUNK}, "
-          f"median of {args.reps}, {os.cpu_count()} cores\n")
-    print(f"{'path':<42} {'median ms':>10}  note")
-    print("-" * 90)
-    for name, sec, note in rows:
-        print(f"{name:<42} {sec * 1e3:>10.1f}  {note}")
-    by = {(name, note.split(" |")[0]): sec for name, sec, note in rows}
-    warm = by[("kvc restore, local", "warm, verified")]
-    floor = by[("floor: mmap + blake3 + copy into pool", "warm")]
-    print(f"\nwarm local restore at {floor / warm:.0%} of the floor (mmap + blake3 + copy); target >= 70%")
-    st = by.get(("alt: safetensors load + copy into pool", "warm, unverified"))
-    if st:
-        print(f"kvc restore (verified) vs safetensors load + copy (unverified): {st / warm:.2f}x the speed")
-    print("\nStorage, 10 sessions sharing a 2k-token system prompt:")
-    for line in storage_section(tmp):
-        print("  " + line)
-    print("\nTime to first token:")
-    for line in ttft_section(tmp, args.reps):
-        print("  " + line)
+    print(f"kvc restore bench: fp16 KV, {LAYOUT.num_layers} layers x {LAYOUT.num_kv_heads} kv heads x "
+          f"{LAYOUT.head_dim} dim, page {PAGE}, chunk {CHUNK}, medians of {args.reps} interleaved runs "
+          f"(cold and S3: of {max(3, args.reps // 2)}), {os.cpu_count()} cores")
+    try:
+        for n in (int(x) for x in args.tokens.split(",")):
+            print()
+            for line in restore_section(n, args.reps, not args.no_s3, args.parallel, tmp):
+                print(line, flush=True)
+        if args.only_restore:
+            return
+        print("\nStorage, 10 sessions sharing a 2k-token system prompt:")
+        for line in storage_section(tmp):
+            print("  " + line)
+        print("\nTime to first token:")
+        for line in ttft_section(tmp, args.reps):
+            print("  " + line)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

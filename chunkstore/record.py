@@ -113,10 +113,16 @@ def _byte_view(data: Buffer) -> memoryview:
     return view
 
 
-def blake3_hex(data: Buffer) -> str:
-    """The blake3 hex digest of `data` (any buffer), on all cores for large ones."""
+def blake3_hex(data: Buffer, *, threads: int | None = None) -> str:
+    """The blake3 hex digest of `data` (any buffer), on all cores for large ones.
+
+    `threads=1` hashes on the calling thread only: what a caller that already keeps
+    every core busy with other buffers wants (several threads per buffer then only
+    contend for the same cores).
+    """
     view = _byte_view(data)  # blake3 takes only byte-formatted buffers
-    threads = blake3.blake3.AUTO if len(view) >= _PARALLEL_HASH_BYTES else 1
+    if threads is None:
+        threads = blake3.blake3.AUTO if len(view) >= _PARALLEL_HASH_BYTES else 1
     digest: str = blake3.blake3(view, max_threads=threads).hexdigest()
     return digest
 
@@ -528,7 +534,9 @@ def read_header(data: Buffer) -> ChunkHeader:
     return header
 
 
-def decode_chunk(data: Buffer, *, expected_key: str | None = None) -> DecodedChunk:
+def decode_chunk(
+    data: Buffer, *, expected_key: str | None = None, hash_threads: int | None = None
+) -> DecodedChunk:
     """Verify a whole record and decode its KV (read-only, shaped `header.shape`).
 
     With `expected_key`, blake3 of `data` must equal it first
@@ -539,12 +547,13 @@ def decode_chunk(data: Buffer, *, expected_key: str | None = None) -> DecodedChu
     byte, so the stored-payload digest is then skipped, and for the raw codec
     (stored bytes == raw bytes) so is the payload digest; compressed payloads
     still get their decoded bytes checked, which guards against a codec bug.
+    `hash_threads`: as `blake3_hex`'s `threads`.
     """
     view = _byte_view(data)
     verified = False
     if expected_key is not None:
         validate_key(expected_key)
-        if blake3_hex(view) != expected_key:
+        if blake3_hex(view, threads=hash_threads) != expected_key:
             raise ChunkIntegrityError(
                 f"record bytes do not hash to the expected key {expected_key}"
             )
@@ -557,10 +566,13 @@ def decode_chunk(data: Buffer, *, expected_key: str | None = None) -> DecodedChu
     if any(view[header_end:offset]):
         raise ChunkFormatError("record padding is not zero")
     payload = view[offset:]
-    if not verified and blake3_hex(payload) != header.stored_blake3:
+    if not verified and blake3_hex(payload, threads=hash_threads) != header.stored_blake3:
         raise ChunkIntegrityError("record payload does not match its stored_blake3")
     codec = get_codec(header.codec)
     kv = codec.decode(payload, header.numpy_dtype, math.prod(header.shape))
-    if not isinstance(codec, RawCodec) and blake3_hex(kv.data) != header.payload_blake3:
+    if (
+        not isinstance(codec, RawCodec)
+        and blake3_hex(kv.data, threads=hash_threads) != header.payload_blake3
+    ):
         raise ChunkIntegrityError("decoded payload does not match its payload_blake3")
     return DecodedChunk(header=header, kv=kv.reshape(header.shape))

@@ -71,6 +71,8 @@ class Restorer:
     page, and a route becomes visible only when all its pages are loaded.
     """
 
+    DEFAULT_PARALLEL = 4  # chunks fetched and verified at once
+
     def __init__(
         self,
         catalog: CatalogAPI,
@@ -78,7 +80,7 @@ class Restorer:
         namespace: str = "default",
         *,
         shard: Shard | None = None,
-        max_parallel: int = 4,
+        max_parallel: int = DEFAULT_PARALLEL,
         byte_budget: int = 256 << 20,
         actor: str | None = None,
     ) -> None:
@@ -209,8 +211,13 @@ class Restorer:
         chunks = match.chunks
         fetch_s = copy_s = 0.0
 
+        # Chunks verified side by side keep the cores busy: each is hashed on its own thread.
+        hash_threads = 1 if len(chunks) > 1 and self.max_parallel > 1 else None
+
         def load(c: ChunkMatch) -> tuple[str, float, float]:
-            decoded, location, seconds = self._fetch_verified(c, tok, fp_hex, shard, report)
+            decoded, location, seconds = self._fetch_verified(
+                c, tok, fp_hex, shard, report, hash_threads
+            )
             t = time.perf_counter()
             destination.write(decoded.kv, c.token_start, c.tokens_used)
             return location, seconds, time.perf_counter() - t
@@ -284,6 +291,7 @@ class Restorer:
         fp_hex: str,
         shard: Shard,
         report: RestoreReport,
+        hash_threads: int | None,
     ) -> tuple[DecodedChunk, str, float]:
         candidates = self._replica_order(c)
         if not candidates:
@@ -292,7 +300,7 @@ class Restorer:
         for replica, store in candidates:
             t = time.perf_counter()
             try:
-                decoded = self._read_verified(store, c, tok, fp_hex, shard)
+                decoded = self._read_verified(store, c, tok, fp_hex, shard, hash_threads)
             except FileNotFoundError as exc:
                 self._mark(c, replica, "missing", str(exc), report)
                 continue
@@ -311,7 +319,13 @@ class Restorer:
         raise _ChunkFailed(c.blob_key)
 
     def _read_verified(
-        self, store: ChunkStore, c: ChunkMatch, tok: np.ndarray[Any, Any], fp_hex: str, shard: Shard
+        self,
+        store: ChunkStore,
+        c: ChunkMatch,
+        tok: np.ndarray[Any, Any],
+        fp_hex: str,
+        shard: Shard,
+        hash_threads: int | None,
     ) -> DecodedChunk:
         """Read and verify one replica; a digest mismatch is read once more before it counts.
 
@@ -319,12 +333,16 @@ class Restorer:
         rest fail every time. Only the second kind marks the replica corrupt.
         """
         try:
-            decoded = decode_chunk(store.get(c.blob_key), expected_key=c.blob_key)
+            decoded = decode_chunk(
+                store.get(c.blob_key), expected_key=c.blob_key, hash_threads=hash_threads
+            )
         except ChunkIntegrityError:
             log.warning(
                 "blob %s from %s failed verification; reading it again", c.blob_key, store.name
             )
-            decoded = decode_chunk(store.get(c.blob_key), expected_key=c.blob_key)
+            decoded = decode_chunk(
+                store.get(c.blob_key), expected_key=c.blob_key, hash_threads=hash_threads
+            )
         self._check_header(decoded, c, tok, fp_hex, shard)
         return decoded
 

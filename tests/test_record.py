@@ -23,6 +23,7 @@ from chunkstore.record import (
     PAYLOAD_ALIGNMENT,
     ChunkHeader,
     EncodedChunk,
+    blake3_hex,
     decode_chunk,
     encode_chunk,
     read_header,
@@ -200,6 +201,21 @@ def test_wrong_expected_key_is_an_integrity_error() -> None:
         decode_chunk(rec.data, expected_key=small_record("zstd").key)
     with pytest.raises(InvalidKeyError):
         decode_chunk(rec.data, expected_key="../etc/passwd")
+
+
+@pytest.mark.parametrize("threads", [1, blake3.blake3.AUTO])
+def test_hashing_on_one_thread_or_all_verifies_alike(threads: int) -> None:
+    """A restore that verifies chunks side by side hashes each on one thread: same digests,
+    same refusals, for records above and below the size where hashing goes parallel."""
+    for shape in ((2, 2, 4, 2, 8), (4, 2, 256, 8, 128)):  # 1 KiB and 4 MiB of float16
+        rec = encode(make_kv("float16", shape))
+        assert blake3_hex(rec.data, threads=threads) == rec.key
+        got = decode_chunk(rec.data, expected_key=rec.key, hash_threads=threads)
+        assert same_bits(got.kv, make_kv("float16", shape))
+        flipped = bytearray(rec.data)
+        flipped[-1] ^= 1
+        with pytest.raises(ChunkIntegrityError):
+            decode_chunk(bytes(flipped), expected_key=rec.key, hash_threads=threads)
 
 
 NONFINITE: dict[str, list[np.generic]] = {
