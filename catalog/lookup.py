@@ -97,12 +97,15 @@ class Lookups:
             matched = 0
             parent = root
             for i, h in enumerate(full):
-                rows = found.get(h)
-                if rows is None:
+                hit = found.get(h)
+                if hit is None:
                     break
+                r, reps = hit
                 start = i * cs
                 used = min(cs, limit - start)
-                chunks.append(_full_chunk(h, parent, start, cs, used, rows))
+                chunks.append(
+                    _new(ChunkMatch, (h, parent, r[1], start, cs, used, r[2], r[3], r[4], reps))
+                )
                 matched = start + used
                 parent = h
                 if used < cs:
@@ -120,8 +123,8 @@ class Lookups:
 
     def _chunks_for(
         self, conn: sa.Connection, fp_hex: str, shard: Shard, hashes: list[bytes]
-    ) -> dict[bytes, list[Any]]:
-        """The usable chunk x replica rows of these prefix hashes, grouped by hash.
+    ) -> dict[bytes, _ChunkRow]:
+        """The usable chunks of these prefix hashes: their row and replicas, best tier first.
 
         One statement: the chunk rows by their identity index, their usable replicas,
         and a probe into the (small) partial index of quarantined nodes; the prefix
@@ -146,14 +149,16 @@ class Lookups:
             rows = result.cursor.fetchall()
         finally:
             result.close()
-        out: dict[bytes, list[Any]] = {}
+        out: dict[bytes, _ChunkRow] = {}
         get = out.get
         for r in rows:
-            group = get(r[0])
-            if group is None:
-                out[r[0]] = [r]
+            # Columns 5-14 are exactly a ReplicaInfo's fields (the last five NULL).
+            rep = _new(ReplicaInfo, r[5:])
+            prev = get(r[0])
+            if prev is None:
+                out[r[0]] = (r, (rep,))
             else:
-                group.append(r)
+                out[r[0]] = (prev[0], _best_first((*prev[1], rep)))
         return out
 
     def _best_sibling(
@@ -307,14 +312,13 @@ def _group(rows: Sequence[Any]) -> dict[bytes, _ChunkRow]:
         if prev is None:
             out[h] = (r, (rep,))
         else:
-            reps = sorted((*prev[1], rep), key=lambda x: (_TIER_RANK.get(x.tier, 99), x.location))
-            out[h] = (prev[0], tuple(reps))
+            out[h] = (prev[0], _best_first((*prev[1], rep)))
     return out
 
 
 _HOT_SELECT = (
     "SELECT c.prefix_hash, c.blob_key, c.codec, c.stored_bytes, c.kv_bytes,"
-    " r.location, r.tier, r.state, r.size, r.worker"
+    " r.location, r.tier, r.state, r.size, r.worker, NULL, NULL, NULL, NULL, NULL"
     " FROM chunks c JOIN replicas r ON r.blob_key = c.blob_key"
     " WHERE c.prefix_hash {hashes}"
     " AND c.fingerprint = {p} AND c.layer_lo = {p} AND c.layer_hi = {p}"
@@ -336,27 +340,13 @@ def _hot_sql_sqlite(n: int) -> str:
     )
 
 
-def _full_chunk(
-    h: bytes, parent: bytes, start: int, cs: int, used: int, rows: list[Any]
-) -> ChunkMatch:
-    """A full chunk of the walk from its chunk x replica rows (replicas best tier first)."""
-    r = rows[0]
-    if len(rows) == 1:
-        reps: tuple[ReplicaInfo, ...] = (_new(ReplicaInfo, (*r[5:10], *_NO_DETAIL)),)
-    else:
-        reps = tuple(
-            sorted(
-                (_new(ReplicaInfo, (*x[5:10], *_NO_DETAIL)) for x in rows),
-                key=lambda x: (_TIER_RANK.get(x.tier, 99), x.location),
-            )
-        )
-    return _new(ChunkMatch, (h, parent, r[1], start, cs, used, r[2], r[3], r[4], reps))
+def _best_first(replicas: tuple[ReplicaInfo, ...]) -> tuple[ReplicaInfo, ...]:
+    """Replicas best tier first, then by location (a stable, documented order)."""
+    return tuple(sorted(replicas, key=lambda x: (_TIER_RANK.get(x.tier, 99), x.location)))
 
 
-# NamedTuples built without their Python-level __new__ (a lookup builds hundreds);
-# the replica fields a lookup does not fill stay None.
+# NamedTuples built without their Python-level __new__ (a lookup builds hundreds).
 _new = tuple.__new__
-_NO_DETAIL = (None,) * (len(ReplicaInfo._fields) - 5)
 
 
 _TIER_RANK = {t: i for i, t in enumerate(TIERS)}
