@@ -14,10 +14,13 @@ machine noise hits both alike; the table prints both medians and their ratio.
 
 The floor ("fetch N plan rows by key") is what a careful engineer would write
 to get the same plan rows, given the prefix hashes: one hand-written query
-fetching the same N chunk rows by key with the columns a plan returns (blob
-key, codec, stored and KV bytes) joined to their replicas (location, tier,
-state, size, worker), in one round trip, fetched as plain driver rows through
-the same engine. It does not hash the prompt, check the fingerprint, shard and
+fetching the same N chunk rows by their key (fingerprint, prefix hash, shard:
+the chunks' unique index) with the columns a plan returns (blob key, codec,
+stored and KV bytes) joined to their replicas (location, tier, state, size,
+worker), in one round trip, fetched as plain driver rows through the same
+engine. "fetch by prefix hash only" is the same query without the
+fingerprint and shard (right only because this catalog holds one fingerprint
+and one shard); it is printed too, as the stricter floor. It does not hash the prompt, check the fingerprint, shard and
 states, exclude quarantined nodes or build result objects: that is the
 lookup's own work. It does not read the prefix nodes either (a full chunk's
 parent and start are known from the prompt, as the lookup knows them).
@@ -192,15 +195,23 @@ def build(cat: Catalog, size: int) -> float | None:
     return rate
 
 
-def floor_sql(dialect: str, n: int) -> str:
-    cols = (
+def floor_sql(dialect: str, n: int, *, by_identity: bool = True) -> str:
+    """The floor's statement for n chunks: by the chunks' unique key, or by prefix hash only."""
+    p = "?" if dialect == "sqlite" else "%s"
+    hashes = f"IN ({','.join('?' * n)})" if dialect == "sqlite" else "= ANY(%s)"
+    sql = (
         "SELECT c.prefix_hash, c.blob_key, c.codec, c.stored_bytes, c.kv_bytes,"
         " r.location, r.tier, r.state, r.size, r.worker"
-        " FROM chunks c JOIN replicas r ON r.blob_key = c.blob_key"
+        f" FROM chunks c JOIN replicas r ON r.blob_key = c.blob_key WHERE c.prefix_hash {hashes}"
     )
-    if dialect == "sqlite":
-        return f"{cols} WHERE c.prefix_hash IN ({','.join('?' * n)})"
-    return f"{cols} WHERE c.prefix_hash = ANY(%s)"
+    if by_identity:
+        sql += f" AND c.fingerprint = {p} AND c.layer_lo = {p} AND c.layer_hi = {p} AND c.head_lo = {p} AND c.head_hi = {p}"
+    return sql
+
+
+def floor_params(dialect: str, hashes: list[bytes], *, by_identity: bool = True) -> tuple[Any, ...]:
+    ident = (FP.hex, SHARD.layer_lo, SHARD.layer_hi, SHARD.head_lo, SHARD.head_hi) if by_identity else ()
+    return (*hashes, *ident) if dialect == "sqlite" else (hashes, *ident)
 
 
 def fetch_plan_rows(cat: Catalog, sql: str, params: tuple[Any, ...]) -> list[Any]:
@@ -213,20 +224,17 @@ def fetch_plan_rows(cat: Catalog, sql: str, params: tuple[Any, ...]) -> list[Any
             result.close()
 
 
-def interleaved(a: Callable[[], object], b: Callable[[], object], reps: int) -> tuple[float, float]:
-    """Medians of a and b run alternately (a, b, a, b, ...) after one warm-up each."""
-    a()
-    b()
-    ta, tb = [], []
+def interleaved(fns: list[Callable[[], object]], reps: int) -> list[float]:
+    """Medians of fns run in turn (a, b, c, a, b, c, ...) after one warm-up each."""
+    for fn in fns:
+        fn()
+    ts: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
-        t0 = time.perf_counter()
-        a()
-        t1 = time.perf_counter()
-        b()
-        t2 = time.perf_counter()
-        ta.append(t1 - t0)
-        tb.append(t2 - t1)
-    return statistics.median(ta), statistics.median(tb)
+        for fn, t in zip(fns, ts, strict=True):
+            t0 = time.perf_counter()
+            fn()
+            t.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in ts]
 
 
 def measure(backend: str, cat: Catalog, size: int, reps: int, rate: float | None) -> list[tuple[str, int, str, float]]:
@@ -242,25 +250,31 @@ def measure(backend: str, cat: Catalog, size: int, reps: int, rate: float | None
 
     probe = chain(0)
     q1 = np.append(probe[:1024], 7).astype(np.uint32)
-    pt, _ = interleaved(point, lambda: cat.lookup("bench", FP, q1), reps)
+    pt, _ = interleaved([point, lambda: cat.lookup("bench", FP, q1)], reps)
     rows.append((backend, size, "point query (ms)", pt * 1e3))
     for p in PROMPTS:
         q = np.append(probe[:p], 7).astype(np.uint32)
         m = cat.lookup("bench", FP, q)
         assert m.matched_tokens == p, (m.matched_tokens, p)
         hs = [c.prefix_hash for c in m.chunks]
-        sql = floor_sql(dialect, len(hs))
-        params = tuple(hs) if dialect == "sqlite" else (hs,)
-        assert len(fetch_plan_rows(cat, sql, params)) == len(hs)
-        fl, lk = interleaved(
-            lambda sql=sql, params=params: fetch_plan_rows(cat, sql, params),
-            lambda q=q: cat.lookup("bench", FP, q),
+        by_key = (floor_sql(dialect, len(hs)), floor_params(dialect, hs))
+        by_hash = (floor_sql(dialect, len(hs), by_identity=False), floor_params(dialect, hs, by_identity=False))
+        for sql, params in (by_key, by_hash):
+            assert len(fetch_plan_rows(cat, sql, params)) == len(hs)
+        fk, fh, lk = interleaved(
+            [
+                lambda: fetch_plan_rows(cat, *by_key),
+                lambda: fetch_plan_rows(cat, *by_hash),
+                lambda: cat.lookup("bench", FP, q),
+            ],
             reps,
         )
         k = f"{p // 1024}k"
         rows.append((backend, size, f"lookup {k} tokens (ms)", lk * 1e3))
-        rows.append((backend, size, f"  fetch {len(hs)} plan rows by key (ms)", fl * 1e3))
-        rows.append((backend, size, f"  lookup {k} / fetch by key", lk / fl))
+        rows.append((backend, size, f"  fetch {len(hs)} plan rows by key (ms)", fk * 1e3))
+        rows.append((backend, size, f"  lookup {k} / fetch by key", lk / fk))
+        rows.append((backend, size, f"  fetch {len(hs)} by prefix hash only (ms)", fh * 1e3))
+        rows.append((backend, size, f"  lookup {k} / fetch by hash", lk / fh))
         rows.append((backend, size, f"  lookup {k} / point query", lk / pt))
     return rows
 

@@ -94,19 +94,18 @@ class Lookups:
             # previous hash and it starts at i * cs (the hash commits to both), so the
             # walk never reads the prefix nodes' rows.
             chunks: list[ChunkMatch] = []
+            add = chunks.append
+            get = found.get
             matched = 0
             parent = root
-            for i, h in enumerate(full):
-                hit = found.get(h)
+            for h in full:
+                hit = get(h)
                 if hit is None:
                     break
                 r, reps = hit
-                start = i * cs
-                used = min(cs, limit - start)
-                chunks.append(
-                    _new(ChunkMatch, (h, parent, r[1], start, cs, used, r[2], r[3], r[4], reps))
-                )
-                matched = start + used
+                used = min(cs, limit - matched)
+                add(_new(ChunkMatch, (h, parent, r[1], matched, cs, used, r[2], r[3], r[4], reps)))
+                matched += used
                 parent = h
                 if used < cs:
                     break
