@@ -263,9 +263,9 @@ def measure(backend: str, cat: Catalog, size: int, reps: int, rate: float | None
             assert len(fetch_plan_rows(cat, sql, params)) == len(hs)
         fk, fh, lk = interleaved(
             [
-                lambda: fetch_plan_rows(cat, *by_key),
-                lambda: fetch_plan_rows(cat, *by_hash),
-                lambda: cat.lookup("bench", FP, q),
+                lambda by_key=by_key: fetch_plan_rows(cat, *by_key),
+                lambda by_hash=by_hash: fetch_plan_rows(cat, *by_hash),
+                lambda q=q: cat.lookup("bench", FP, q),
             ],
             reps,
         )
@@ -313,8 +313,9 @@ def main() -> None:
     try:
         for backend in backends:
             if backend == "sqlite":
+                building: dict[int, tuple[Path, Path]] = {}
 
-                def sqlite_url(size: int) -> tuple[str, bool]:
+                def sqlite_url(size: int, building: dict[int, tuple[Path, Path]] = building) -> tuple[str, bool]:
                     name = f"catalog-{size}-r{head_revision()}-d{DATA_VERSION}.db"
                     if args.no_cache:
                         return f"sqlite:///{work / name}", True
@@ -329,7 +330,6 @@ def main() -> None:
                     building[size] = (part, path)
                     return f"sqlite:///{part}", True
 
-                building: dict[int, tuple[Path, Path]] = {}
                 for size in sizes:
                     rows += run("sqlite", sqlite_url, [size], args.reps)
                     if size in building:
