@@ -25,16 +25,20 @@ states, exclude quarantined nodes or build result objects: that is the
 lookup's own work. It does not read the prefix nodes either (a full chunk's
 parent and start are known from the prompt, as the lookup knows them).
 
-Building the catalog: the probe chain and a few more go through
+Every size of a backend is open at once and measured together: each rep runs
+floor by key, floor by hash and lookup for every size in turn, so the
+1M / 10k lookup ratio printed at the end also comes from interleaved reps.
+
+Building the catalog: the probe chain and three more go through
 `record_chunks` (the publish path, timed as "publish (chunks/s)"); the rest
-are synthetic chains (real chain hashes, random token ids) inserted as the
-same prefix, chunk and replica rows `record_chunks` writes, in big batches
-with plain INSERTs (about 10-30k chunks/s instead of 1.5k). SQLite catalogs
-are kept in --cache (default: the system temp directory) keyed by size and
-schema revision, so a second run starts at once; PostgreSQL is rebuilt each
-run (then VACUUM ANALYZE). A first full run (10k, 100k, 1M on both backends)
-takes about 10-15 minutes on the 2-core build machine, most of it the 1M
-fills; a cached SQLite run and the PostgreSQL fills take about half that.
+are synthetic chains (real chain hashes, random token ids) written as the
+same prefix, chunk and replica rows `record_chunks` writes, in batches of 32
+chains: plain INSERTs on SQLite, COPY on PostgreSQL (then VACUUM ANALYZE).
+SQLite catalogs are kept in --cache (default: the system temp directory,
+about 2.5 GB for 1M chunks) keyed by size and schema revision, so a second
+run starts at once; PostgreSQL is rebuilt each run, one server per size. On
+the shared 2-core build machine the SQLite fill ran at 1.3-4.9k chunks/s
+(13 minutes for 1M, once); see the stderr lines for this run's times.
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -159,7 +164,7 @@ def bulk_rows(seed: int, ns_id: int, now: datetime) -> tuple[list[dict[str, Any]
     return prefixes, chunks, replicas
 
 
-def build(cat: Catalog, size: int) -> float | None:
+def build(cat: Catalog, size: int) -> float:
     """Fill an empty catalog to `size` chunks; the publish rate of the published part."""
     cat.ensure_namespace("bench", CS)
     chains = -(-size // CHAIN_CHUNKS)
@@ -184,7 +189,7 @@ def build(cat: Catalog, size: int) -> float | None:
         keep = size - n
         with cat.engine.execution_options(kvc_write=True).begin() as conn:
             for table, part in zip((PrefixNode, Chunk, Replica), rows, strict=True):
-                conn.execute(sa.insert(table), part[:keep])
+                _insert(conn, table, part[:keep])
         n += min(keep, len(rows[0]))
         print(f"  fill {n}/{size} ({n / (time.perf_counter() - t0):.0f} chunks/s)", file=sys.stderr, end="\r")
     print(file=sys.stderr)
@@ -193,6 +198,18 @@ def build(cat: Catalog, size: int) -> float | None:
             conn.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql("VACUUM ANALYZE")
         assert conn.execute(sa.text("SELECT count(*) FROM chunks")).scalar_one() == size
     return rate
+
+
+def _insert(conn: sa.Connection, table: Any, rows: list[dict[str, Any]]) -> None:
+    """Plain INSERTs (SQLite) or COPY (PostgreSQL) of these rows, in the caller's transaction."""
+    if conn.dialect.name != "postgresql" or not rows:
+        conn.execute(sa.insert(table), rows)
+        return
+    cols = list(rows[0])
+    cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+    with cur.copy(f"COPY {table.__tablename__} ({', '.join(cols)}) FROM STDIN") as copy:
+        for r in rows:
+            copy.write_row([r[c] for c in cols])
 
 
 def floor_sql(dialect: str, n: int, *, by_identity: bool = True) -> str:
@@ -237,62 +254,78 @@ def interleaved(fns: list[Callable[[], object]], reps: int) -> list[float]:
     return [statistics.median(t) for t in ts]
 
 
-def measure(backend: str, cat: Catalog, size: int, reps: int, rate: float | None) -> list[tuple[str, int, str, float]]:
+def measure(backend: str, cats: dict[int, Catalog], reps: int) -> list[tuple[str, int, str, float]]:
+    """Every size's floors and lookups, interleaved with each other (so the sizes compare too)."""
     rows: list[tuple[str, int, str, float]] = []
-    if rate is not None:
-        rows.append((backend, size, "publish (chunks/s)", rate))
-    dialect = cat.engine.dialect.name
-    ids = iter(np.random.default_rng(1).integers(1, size + 1, 10 * reps + 10).tolist())
-
-    def point() -> None:
-        with cat.engine.connect() as conn:
-            conn.execute(sa.text("SELECT blob_key FROM chunks WHERE id = :i"), {"i": next(ids)}).one()
-
+    sizes = list(cats)
+    dialect = next(iter(cats.values())).engine.dialect.name
     probe = chain(0)
     q1 = np.append(probe[:1024], 7).astype(np.uint32)
-    pt, _ = interleaved([point, lambda: cat.lookup("bench", FP, q1)], reps)
-    rows.append((backend, size, "point query (ms)", pt * 1e3))
+    fns: list[Callable[[], object]] = []
+    for size, cat in cats.items():
+        ids = iter(np.random.default_rng(1).integers(1, size + 1, 10 * reps + 10).tolist())
+
+        def point(cat: Catalog = cat, ids: Iterator[int] = ids) -> None:
+            with cat.engine.connect() as conn:
+                conn.execute(sa.text("SELECT blob_key FROM chunks WHERE id = :i"), {"i": next(ids)}).one()
+
+        fns += [point, lambda cat=cat: cat.lookup("bench", FP, q1)]
+    pts = interleaved(fns, reps)[::2]
+    for size, pt in zip(sizes, pts, strict=True):
+        rows.append((backend, size, "point query (ms)", pt * 1e3))
     for p in PROMPTS:
         q = np.append(probe[:p], 7).astype(np.uint32)
-        m = cat.lookup("bench", FP, q)
-        assert m.matched_tokens == p, (m.matched_tokens, p)
-        hs = [c.prefix_hash for c in m.chunks]
-        by_key = (floor_sql(dialect, len(hs)), floor_params(dialect, hs))
-        by_hash = (floor_sql(dialect, len(hs), by_identity=False), floor_params(dialect, hs, by_identity=False))
-        for sql, params in (by_key, by_hash):
-            assert len(fetch_plan_rows(cat, sql, params)) == len(hs)
-        fk, fh, lk = interleaved(
-            [
-                lambda by_key=by_key: fetch_plan_rows(cat, *by_key),
-                lambda by_hash=by_hash: fetch_plan_rows(cat, *by_hash),
-                lambda q=q: cat.lookup("bench", FP, q),
-            ],
-            reps,
-        )
+        fns = []
+        n = 0
+        for cat in cats.values():
+            m = cat.lookup("bench", FP, q)
+            assert m.matched_tokens == p, (m.matched_tokens, p)
+            hs = [c.prefix_hash for c in m.chunks]
+            n = len(hs)
+            by_key = (floor_sql(dialect, n), floor_params(dialect, hs))
+            by_hash = (floor_sql(dialect, n, by_identity=False), floor_params(dialect, hs, by_identity=False))
+            for sql, params in (by_key, by_hash):
+                assert len(fetch_plan_rows(cat, sql, params)) == n
+            fns += [
+                lambda cat=cat, by_key=by_key: fetch_plan_rows(cat, *by_key),
+                lambda cat=cat, by_hash=by_hash: fetch_plan_rows(cat, *by_hash),
+                lambda cat=cat, q=q: cat.lookup("bench", FP, q),
+            ]
+        meds = interleaved(fns, reps)
         k = f"{p // 1024}k"
-        rows.append((backend, size, f"lookup {k} tokens (ms)", lk * 1e3))
-        rows.append((backend, size, f"  fetch {len(hs)} plan rows by key (ms)", fk * 1e3))
-        rows.append((backend, size, f"  lookup {k} / fetch by key", lk / fk))
-        rows.append((backend, size, f"  fetch {len(hs)} by prefix hash only (ms)", fh * 1e3))
-        rows.append((backend, size, f"  lookup {k} / fetch by hash", lk / fh))
-        rows.append((backend, size, f"  lookup {k} / point query", lk / pt))
+        for i, (size, pt) in enumerate(zip(sizes, pts, strict=True)):
+            fk, fh, lk = meds[3 * i : 3 * i + 3]
+            rows.append((backend, size, f"lookup {k} tokens (ms)", lk * 1e3))
+            rows.append((backend, size, f"  fetch {n} plan rows by key (ms)", fk * 1e3))
+            rows.append((backend, size, f"  lookup {k} / fetch by key", lk / fk))
+            rows.append((backend, size, f"  fetch {n} by prefix hash only (ms)", fh * 1e3))
+            rows.append((backend, size, f"  lookup {k} / fetch by hash", lk / fh))
+            rows.append((backend, size, f"  lookup {k} / point query", lk / pt))
     return rows
 
 
-def run(backend: str, url_for: Callable[[int], tuple[str, bool]], sizes: list[int], reps: int) -> list[tuple[str, int, str, float]]:
+def run(
+    backend: str,
+    open_for: Callable[[int], AbstractContextManager[tuple[str, bool]]],
+    sizes: list[int],
+    reps: int,
+) -> list[tuple[str, int, str, float]]:
+    """Open (building where needed) a catalog of every size, then measure them together."""
     rows: list[tuple[str, int, str, float]] = []
-    for size in sizes:
-        url, fresh = url_for(size)
+    with ExitStack() as stack:
+        cats: dict[int, Catalog] = {}
+        for size in sizes:
+            url, fresh = stack.enter_context(open_for(size))
+            t0 = time.perf_counter()
+            cat = Catalog.open(url, upgrade=True)
+            stack.callback(cat.close)
+            if fresh:
+                rows.append((backend, size, "publish (chunks/s)", build(cat, size)))
+            print(f"{backend} {_h(size)}: ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+            cats[size] = cat
         t0 = time.perf_counter()
-        cat = Catalog.open(url, upgrade=True)
-        try:
-            rate = build(cat, size) if fresh else None
-            built = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            rows += measure(backend, cat, size, reps, rate)
-        finally:
-            cat.close()
-        print(f"{backend} {_h(size)}: built in {built:.0f} s, measured in {time.perf_counter() - t1:.0f} s", file=sys.stderr)
+        rows += measure(backend, cats, reps)
+        print(f"{backend}: measured in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     return rows
 
 
@@ -313,36 +346,36 @@ def main() -> None:
     try:
         for backend in backends:
             if backend == "sqlite":
-                building: dict[int, tuple[Path, Path]] = {}
 
-                def sqlite_url(size: int, building: dict[int, tuple[Path, Path]] = building) -> tuple[str, bool]:
+                @contextmanager
+                def sqlite_db(size: int) -> Iterator[tuple[str, bool]]:
                     name = f"catalog-{size}-r{head_revision()}-d{DATA_VERSION}.db"
                     if args.no_cache:
-                        return f"sqlite:///{work / name}", True
+                        yield f"sqlite:///{work / name}", True
+                        return
                     cache.mkdir(parents=True, exist_ok=True)
                     path = cache / name
                     if path.exists():
-                        return f"sqlite:///{path}", False
-                    # Built under a temporary name, kept only once complete.
+                        yield f"sqlite:///{path}", False
+                        return
+                    # Built under a temporary name, kept once complete and closed.
                     part = cache / (name + ".part")
                     part.unlink(missing_ok=True)
-                    Catalog.open(f"sqlite:///{part}", upgrade=True).close()
-                    building[size] = (part, path)
-                    return f"sqlite:///{part}", True
+                    yield f"sqlite:///{part}", True
+                    for suffix in ("-wal", "-shm"):
+                        Path(str(part) + suffix).unlink(missing_ok=True)
+                    part.rename(path)
 
-                for size in sizes:
-                    rows += run("sqlite", sqlite_url, [size], args.reps)
-                    if size in building:
-                        part, path = building.pop(size)
-                        for suffix in ("-wal", "-shm"):
-                            Path(str(part) + suffix).unlink(missing_ok=True)
-                        part.rename(path)
+                rows += run("sqlite", sqlite_db, sizes, args.reps)
             else:
                 from tests.services import start_postgres
 
-                for size in sizes:
-                    with start_postgres() as pg:
-                        rows += run("postgres", lambda _s, url=pg.url: (url, True), [size], args.reps)
+                @contextmanager
+                def postgres_db(size: int) -> Iterator[tuple[str, bool]]:
+                    with start_postgres() as pg:  # one server per size, like for like
+                        yield pg.url, True
+
+                rows += run("postgres", postgres_db, sizes, args.reps)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(
