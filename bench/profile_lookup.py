@@ -9,7 +9,7 @@ Builds (or, for SQLite, reuses from bench_catalog's cache) a catalog of
 
 - hash: the prompt's prefix hashes (blake3 over each chunk's token ids);
 - hot query: the lookup's one statement for the full chunks, fetched as raw rows;
-- floor: bench_catalog's floor (the same plan rows by key, hand-written);
+- floor: bench_catalog's floor (the same plan rows by the chunks' key, hand-written);
 - lookup: `Catalog.lookup` end to end.
 
 "rest" is lookup - hash - hot query: connection checkout, grouping rows and
@@ -36,7 +36,17 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_catalog import CS, DATA_VERSION, FP, SHARD, build, chain, fetch_plan_rows, floor_sql
+from bench_catalog import (
+    CS,
+    DATA_VERSION,
+    FP,
+    SHARD,
+    build,
+    chain,
+    fetch_plan_rows,
+    floor_params,
+    floor_sql,
+)
 
 from catalog.catalog import Catalog
 from catalog.database import head_revision
@@ -52,10 +62,9 @@ def profile(cat: Catalog, tokens: int, reps: int) -> None:
     ident = (FP.hex, SHARD.layer_lo, SHARD.layer_hi, SHARD.head_lo, SHARD.head_hi)
     if dialect == "sqlite":
         hot, hot_params = _hot_sql_sqlite(len(hs)), (*hs, *ident)
-        fl, fl_params = floor_sql(dialect, len(hs)), tuple(hs)
     else:
         hot, hot_params = _HOT_SQL_PG, (hs, *ident)
-        fl, fl_params = floor_sql(dialect, len(hs)), (hs,)
+    fl, fl_params = floor_sql(dialect, len(hs)), floor_params(dialect, hs)
     parts: dict[str, Callable[[], Any]] = {
         "hash": lambda: prefix_hashes("bench", q, CS, max_chunks=len(hs)),
         "hot query": lambda: fetch_plan_rows(cat, hot, hot_params),
