@@ -37,8 +37,10 @@ chains: plain INSERTs on SQLite, COPY on PostgreSQL (then VACUUM ANALYZE).
 SQLite catalogs are kept in --cache (default: the system temp directory,
 about 2.5 GB for 1M chunks) keyed by size and schema revision, so a second
 run starts at once; PostgreSQL is rebuilt each run, one server per size. On
-the shared 2-core build machine the SQLite fill ran at 1.3-4.9k chunks/s
-(13 minutes for 1M, once); see the stderr lines for this run's times.
+the shared 2-core build machine (2026-12-04, under load from other jobs) the
+SQLite 1M fill took 13 minutes once (1.3-4.9k chunks/s); with the SQLite
+catalogs cached, a full run (both backends, 10k, 100k, 1M, --reps 30) took
+4-6 minutes, most of it the PostgreSQL 1M fill (COPY, 3.5-5 minutes).
 """
 
 from __future__ import annotations
