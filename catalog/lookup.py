@@ -90,16 +90,22 @@ class Lookups:
             n_full = min(n // cs, -(-limit // cs))
             full = prefix_hashes(namespace, tok, cs, max_chunks=n_full) if n_full else []
             found = self._chunks_for(conn, fp_hex, shard, full)
+            # A full chunk's place in the tree is the prompt's own: its parent is the
+            # previous hash and it starts at i * cs (the hash commits to both), so the
+            # walk never reads the prefix nodes' rows.
             chunks: list[ChunkMatch] = []
+            add = chunks.append
+            get = found.get
             matched = 0
             parent = root
-            for i, h in enumerate(full):
-                row = found.get(h)
-                if row is None:
+            for h in full:
+                hit = get(h)
+                if hit is None:
                     break
-                used = min(cs, limit - i * cs)
-                chunks.append(_chunk_match(row, used))
-                matched = i * cs + used
+                r, reps = hit
+                used = min(cs, limit - matched)
+                add(_new(ChunkMatch, (h, parent, r[1], matched, cs, used, r[2], r[3], r[4], reps)))
+                matched += used
                 parent = h
                 if used < cs:
                     break
@@ -117,33 +123,42 @@ class Lookups:
     def _chunks_for(
         self, conn: sa.Connection, fp_hex: str, shard: Shard, hashes: list[bytes]
     ) -> dict[bytes, _ChunkRow]:
+        """The usable chunks of these prefix hashes: their row and replicas, best tier first.
+
+        One statement: the chunk rows by their identity index, their usable replicas,
+        and a probe into the (small) partial index of quarantined nodes; the prefix
+        nodes' own rows are not read. Plain driver SQL with cached text: with
+        hundreds of hashes, building and expanding a SQLAlchemy IN costs more than
+        the query. PostgreSQL takes the hashes as one bytea[] parameter (one
+        statement text, which psycopg prepares after a few uses).
+        """
         if not hashes:
             return {}
-        # The hot query of a lookup, as plain driver SQL: with hundreds of
-        # hashes, building and expanding a SQLAlchemy IN costs more than the
-        # query itself. PostgreSQL takes the hashes as one bytea[] parameter.
-        where = " AND ".join(
-            [
-                "c.fingerprint = {p}",
-                "c.layer_lo = {p}",
-                "c.layer_hi = {p}",
-                "c.head_lo = {p}",
-                "c.head_hi = {p}",
-                "c.state = 'ready'",
-                "p.quarantined = {false}",
-                "r.state IN ('durable', 'ready')",
-            ]
-        )
-        params: tuple[Any, ...]
         ident = (fp_hex, shard.layer_lo, shard.layer_hi, shard.head_lo, shard.head_hi)
+        params: tuple[Any, ...]
         if conn.dialect.name == "sqlite":
-            marks = ",".join("?" * len(hashes))
-            sql = _HOT_SQL.format(hashes=f"IN ({marks})", where=where.format(p="?", false="0"))
+            sql = _hot_sql_sqlite(len(hashes))
             params = (*hashes, *ident)
         else:
-            sql = _HOT_SQL.format(hashes="= ANY(%s)", where=where.format(p="%s", false="false"))
+            sql = _HOT_SQL_PG
             params = (hashes, *ident)
-        return _group(conn.exec_driver_sql(sql, params).all())
+        # Raw driver rows: a Row per chunk x replica costs more than the row itself.
+        result = conn.exec_driver_sql(sql, params)
+        try:
+            rows = result.cursor.fetchall()
+        finally:
+            result.close()
+        out: dict[bytes, _ChunkRow] = {}
+        get = out.get
+        for r in rows:
+            # Columns 5-14 are exactly a ReplicaInfo's fields (the last five NULL).
+            rep = _new(ReplicaInfo, r[5:])
+            prev = get(r[0])
+            if prev is None:
+                out[r[0]] = (r, (rep,))
+            else:
+                out[r[0]] = (prev[0], _best_first((*prev[1], rep)))
+        return out
 
     def _best_sibling(
         self, conn: sa.Connection, fp_hex: str, shard: Shard, parent: bytes, q_be: bytes
@@ -296,18 +311,41 @@ def _group(rows: Sequence[Any]) -> dict[bytes, _ChunkRow]:
         if prev is None:
             out[h] = (r, (rep,))
         else:
-            reps = sorted((*prev[1], rep), key=lambda x: (_TIER_RANK.get(x.tier, 99), x.location))
-            out[h] = (prev[0], tuple(reps))
+            out[h] = (prev[0], _best_first((*prev[1], rep)))
     return out
 
 
-_HOT_SQL = (
-    "SELECT c.prefix_hash, p.parent_hash, c.blob_key, p.token_start, p.token_count, c.codec,"
-    " c.stored_bytes, c.kv_bytes, r.location, r.tier, r.state, r.size, r.worker"
-    " FROM chunks c JOIN prefixes p ON p.prefix_hash = c.prefix_hash"
-    " JOIN replicas r ON r.blob_key = c.blob_key"
-    " WHERE c.prefix_hash {hashes} AND {where}"
+_HOT_SELECT = (
+    "SELECT c.prefix_hash, c.blob_key, c.codec, c.stored_bytes, c.kv_bytes,"
+    " r.location, r.tier, r.state, r.size, r.worker, NULL, NULL, NULL, NULL, NULL"
+    " FROM chunks c JOIN replicas r ON r.blob_key = c.blob_key"
+    " WHERE c.prefix_hash {hashes}"
+    " AND c.fingerprint = {p} AND c.layer_lo = {p} AND c.layer_hi = {p}"
+    " AND c.head_lo = {p} AND c.head_hi = {p} AND c.state = 'ready'"
+    " AND r.state IN ('durable', 'ready')"
+    # Quarantined nodes are few: probe only their partial index (SQLite would
+    # otherwise pick the primary key and read every node's row).
+    " AND NOT EXISTS (SELECT 1 FROM prefixes q{indexed}"
+    " WHERE q.prefix_hash = c.prefix_hash AND q.quarantined)"
 )
+_HOT_SQL_PG = _HOT_SELECT.format(hashes="= ANY(%s)", p="%s", indexed="")
+
+
+@functools.lru_cache(maxsize=64)
+def _hot_sql_sqlite(n: int) -> str:
+    """The hot statement for n hashes (SQLite has no array parameter); the text is cached."""
+    return _HOT_SELECT.format(
+        hashes=f"IN ({','.join('?' * n)})", p="?", indexed=" INDEXED BY ix_prefixes_quarantined"
+    )
+
+
+def _best_first(replicas: tuple[ReplicaInfo, ...]) -> tuple[ReplicaInfo, ...]:
+    """Replicas best tier first, then by location (a stable, documented order)."""
+    return tuple(sorted(replicas, key=lambda x: (_TIER_RANK.get(x.tier, 99), x.location)))
+
+
+# NamedTuples built without their Python-level __new__ (a lookup builds hundreds).
+_new = tuple.__new__
 
 
 _TIER_RANK = {t: i for i, t in enumerate(TIERS)}

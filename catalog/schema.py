@@ -21,6 +21,7 @@ from sqlalchemy import (
     String,
     Text,
     TypeDecorator,
+    text,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -127,6 +128,14 @@ class PrefixNode(Base):
     __table_args__ = (
         Index("ix_prefixes_parent_head", "parent_hash", "tokens_head"),
         Index("ix_prefixes_namespace", "namespace_id"),
+        # Only the quarantined nodes (usually none): a lookup's walk excludes them
+        # with one probe into this small index instead of reading each node's row.
+        Index(
+            "ix_prefixes_quarantined",
+            "prefix_hash",
+            sqlite_where=text("quarantined"),
+            postgresql_where=text("quarantined"),
+        ),
         CheckConstraint("token_count >= 1", name="token_count_positive"),
         CheckConstraint("token_start >= 0", name="token_start_nonneg"),
     )

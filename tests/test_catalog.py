@@ -190,6 +190,19 @@ def test_lookup_stops_at_unusable_or_quarantined_nodes(cat: Catalog) -> None:
     assert cat.lookup("default", FP, TOKENS).matched_tokens == 4
 
 
+def test_lookup_plan_places_each_chunk_as_the_catalog_does(cat: Catalog) -> None:
+    # The walk does not read the prefix nodes: each chunk's parent, start and
+    # length in the plan must still be exactly what the catalog stores.
+    publish(cat, "default", TOKENS)
+    m = cat.lookup("default", FP, [*TOKENS[:13], 999])
+    assert m.matched_tokens == 13
+    stored = cat.lineage("default", m.chunks[-1].prefix_hash)
+    assert [(c.prefix_hash, c.parent_hash, c.token_start, c.token_count) for c in m.chunks] == [
+        (p.prefix_hash, p.parent_hash, p.token_start, len(p.tokens)) for p in stored
+    ]
+    assert m.chunks[0].parent_hash == chain_root("default")
+
+
 def test_lookup_is_per_fingerprint_shard_and_namespace(cat: Catalog) -> None:
     publish(cat, "default", TOKENS)
     assert cat.lookup("default", FP2, TOKENS).matched_tokens == 0
