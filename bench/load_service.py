@@ -166,9 +166,7 @@ def populate(catalog_url: str) -> None:
     try:
         cat.ensure_namespace("default", CS)
         for i in range(20):  # 20 conversations sharing the system prompt
-            cat.record_chunks(
-                chain_records("default", [*SYSTEM, *range(i * 50, i * 50 + 3 * CS)])
-            )
+            cat.record_chunks(chain_records("default", [*SYSTEM, *range(i * 50, i * 50 + 3 * CS)]))
     finally:
         cat.close()
 

@@ -67,6 +67,12 @@ class Settings(BaseSettings):
         le=256,
         description="`kvc serve`: processes answering requests; default one per core, at most 8",
     )
+    serve_threads: int = Field(
+        default=8,
+        ge=1,
+        le=1024,
+        description="`kvc serve`: requests each process handles at once (its threadpool)",
+    )
     max_body_bytes: int = Field(
         default=64 << 20, ge=1, description="`kvc serve`: larger request bodies are a 413"
     )

@@ -64,6 +64,12 @@ See docs/http-api.md for the endpoints.""",
     default=None,
     help="Processes answering requests (env KVC_SERVE_WORKERS, default one per core, at most 8).",
 )
+@click.option(
+    "--threads",
+    type=click.IntRange(1, 1024),
+    default=None,
+    help="Requests each process handles at once (env KVC_SERVE_THREADS, default 8).",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Log debug details to stderr.")
 def serve(
     settings: Settings,
@@ -72,6 +78,7 @@ def serve(
     port: int | None,
     tokens_file: Path | None,
     workers: int | None,
+    threads: int | None,
     verbose: bool,
 ) -> None:
     """Serve the catalog over HTTP to workers holding a namespace's bearer token.
@@ -81,6 +88,7 @@ def serve(
     import uvicorn
 
     from kvc.service import create_app
+    from kvc.service.worker import pool_size
 
     setup_logging(verbose)
     path = tokens_file or settings.tokens_file
@@ -92,18 +100,22 @@ def serve(
     if not 1 <= bind_port <= 65535:
         fail(f"--port must be in 1..65535, got {bind_port}", EXIT_USAGE)
     processes = workers or settings.serve_workers or default_serve_workers()
+    per_process = threads or settings.serve_threads
     log_level = "debug" if verbose else "info"
     if processes > 1:
-        _serve_processes(settings, tokens, bind_host, bind_port, processes, log_level)
+        _serve_processes(settings, tokens, bind_host, bind_port, processes, per_process, log_level)
         return
     # Journal refs and pins to the stores the workers write to, when they are configured
     # (without KVC_STORES the service does not know where the blobs are).
-    with open_catalog(settings, journal=bool(settings.stores)) as cat:
+    with open_catalog(
+        settings, journal=bool(settings.stores), pool_size=pool_size(per_process)
+    ) as cat:
         app = create_app(
             cat,
             tokens,
             max_prompt_tokens=settings.max_prompt_tokens,
             max_body_bytes=settings.max_body_bytes,
+            threads=per_process,
         )
         click.echo(
             f"kvc: serving {cat.url} for {len(tokens)} namespace(s) on http://{bind_host}:{bind_port}",
@@ -113,7 +125,13 @@ def serve(
 
 
 def _serve_processes(
-    settings: Settings, tokens: dict[str, str], host: str, port: int, processes: int, log_level: str
+    settings: Settings,
+    tokens: dict[str, str],
+    host: str,
+    port: int,
+    processes: int,
+    threads: int,
+    log_level: str,
 ) -> None:
     """uvicorn's supervisor and `processes` workers on one socket, each with its own catalog.
 
@@ -133,6 +151,7 @@ def _serve_processes(
             tokens=tokens,
             max_prompt_tokens=settings.max_prompt_tokens,
             max_body_bytes=settings.max_body_bytes,
+            threads=threads,
             metrics_dir=metrics_dir,
         )
         # The workers are new interpreters (spawned): the environment is how they get this,

@@ -86,5 +86,5 @@ class Metrics:
         if self.multiprocess_dir is None:
             return generate_latest(self.registry)
         merged = CollectorRegistry()
-        multiprocess.MultiProcessCollector(merged, path=self.multiprocess_dir)
+        multiprocess.MultiProcessCollector(merged, path=self.multiprocess_dir)  # type: ignore[no-untyped-call]
         return generate_latest(merged)

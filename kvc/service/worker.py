@@ -23,14 +23,21 @@ class WorkerConfig(BaseModel):
     tokens: dict[str, str]  # namespace -> sha256 hex of its token, never a token
     max_prompt_tokens: int
     max_body_bytes: int
+    threads: int
     metrics_dir: str
+
+
+def pool_size(threads: int) -> int:
+    """Database connections for a process of `threads` request threads: one each, and one
+    for the access-statistics flusher and one for a health check."""
+    return threads + 2
 
 
 def app_from_environment() -> FastAPI:
     """The app of one worker (uvicorn's app factory): its own catalog connections and journal,
     closed when uvicorn shuts the worker down; metrics shared through `metrics_dir`."""
     config = WorkerConfig.model_validate_json(os.environ[CONFIG_ENV])
-    catalog = Catalog.open(config.catalog_url)
+    catalog = Catalog.open(config.catalog_url, pool_size=pool_size(config.threads))
     journal = None
     if config.journal_stores:
         from restore.journal import StoreJournal
@@ -48,6 +55,7 @@ def app_from_environment() -> FastAPI:
         config.tokens,
         max_prompt_tokens=config.max_prompt_tokens,
         max_body_bytes=config.max_body_bytes,
+        threads=config.threads,
         metrics_dir=config.metrics_dir,
         on_close=close,
     )
