@@ -83,9 +83,9 @@ def served(tmp_path: Path) -> Iterator[Served]:
         "KVC_MAX_PROMPT_TOKENS": str(4 * len(PROMPT)),
         "KVC_CONFIG": str(tmp_path / "absent.toml"),
     }
+    serve = ["serve", "--catalog", url, "--tokens-file", str(tokens), "--port", str(port)]
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from kvc.cli import main; main()", "serve", "--catalog", url]
-        + ["--tokens-file", str(tokens), "--port", str(port), "--threads", "2"],
+        [sys.executable, "-c", "from kvc.cli import main; main()", *serve, "--threads", "2"],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
