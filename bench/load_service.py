@@ -71,6 +71,7 @@ class LoadResult:
     rss_samples: list[tuple[float, int]] = field(default_factory=list)  # (seconds in, kB)
     server_cpu_s: float = 0.0  # CPU time of the server's processes during the run
     client_cpu_s: float = 0.0  # CPU time of the load generator during the run
+    db_cpu_s: float | None = None  # CPU time of the database server (PostgreSQL) during the run
 
     def merge(self, other: LoadResult) -> None:
         for op, lat in other.ops.items():
@@ -108,6 +109,8 @@ class LoadResult:
         out["requests_per_s"] = round(self.requests / self.seconds, 1)
         out["server_cpu_ms_per_request"] = round(self.server_cpu_s * 1e3 / n, 2)
         out["client_cpu_ms_per_request"] = round(self.client_cpu_s * 1e3 / n, 2)
+        if self.db_cpu_s is not None:
+            out["db_cpu_ms_per_request"] = round(self.db_cpu_s * 1e3 / n, 2)
         return out
 
 
@@ -301,6 +304,7 @@ def drive(
     sample_every: float = 10.0,
     min_ops: dict[str, int] | None = None,
     max_overrun_s: float = 60.0,
+    db_pid: int | None = None,
 ) -> LoadResult:
     """`clients` clients (ids from `first_id`) for `seconds`, in `client_procs` processes.
 
@@ -314,6 +318,7 @@ def drive(
     if server_pid is not None:
         result.rss_start_kb = _rss_kb(server_pid)
         cpu0 = _cpu_s(server_pid)
+    db0 = _cpu_s(db_pid) if db_pid is not None else 0.0
     t0 = time.monotonic()
     stop_at = t0 + seconds
     kwargs: dict[str, Any] = {
@@ -354,6 +359,8 @@ def drive(
     if server_pid is not None:
         result.server_cpu_s = _cpu_s(server_pid) - cpu0
         result.rss_end_kb = _rss_kb(server_pid)
+    if db_pid is not None:
+        result.db_cpu_s = _cpu_s(db_pid) - db0
     return result
 
 
@@ -491,9 +498,11 @@ def _print_phase(title: str, s: dict[str, Any]) -> None:
         f"  throughput {s['requests_per_s']} requests/s, errors {s['errors']},"
         f" wrong answers {s['wrong']}, lost publishes {s['lost']}"
     )
+    db = s.get("db_cpu_ms_per_request")
     print(
         f"  CPU per request: server {s['server_cpu_ms_per_request']} ms,"
         f" load generator {s['client_cpu_ms_per_request']} ms"
+        + ("" if db is None else f", PostgreSQL {db} ms")
     )
 
 
@@ -513,12 +522,14 @@ def main() -> None:
     args = ap.parse_args()
     with ExitStack() as stack:
         tmp = Path(tempfile.mkdtemp(prefix="kvc-load-"))
+        db_pid = None
         if args.catalog == "sqlite":
             url = f"sqlite:///{tmp / 'catalog.db'}"
         else:
             from tests.services import start_postgres
 
-            url = stack.enter_context(start_postgres()).url
+            pg = stack.enter_context(start_postgres())
+            url, db_pid = pg.url, pg.proc.pid
         populate(url)
         ceiling = None
         if args.ceiling:
@@ -537,6 +548,7 @@ def main() -> None:
                 seconds=args.seconds,
                 publish_ratio=args.publish_ratio,
                 sample_every=args.sample_every,
+                db_pid=db_pid,
             )
             many = drive(
                 base,
@@ -547,6 +559,7 @@ def main() -> None:
                 client_procs=args.client_procs,
                 publish_ratio=args.publish_ratio,
                 sample_every=args.sample_every,
+                db_pid=db_pid,
             )
         for res in (one, many):
             check_published(url, res)
