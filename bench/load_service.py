@@ -3,10 +3,10 @@
 Usage (repository root, project venv):
 
     python bench/load_service.py [--clients 50] [--seconds 60] [--catalog sqlite|postgres]
-        [--workers N] [--client-procs P] [--ceiling]
+        [--workers N] [--threads T] [--client-procs P] [--ceiling]
 
 Starts `kvc serve` as a real process on 127.0.0.1 (a SQLite catalog in a temp
-dir, or the embedded PostgreSQL) with `--workers N` (default: the service's
+dir, or the embedded PostgreSQL) with `--workers N` and `--threads T` (default: the service's
 own default), populates it, then runs 1 client and then `--clients` clients
 against the same server and data with the same mix of operations, each for
 the given time. Prints, for each phase, throughput, p50/p99 latency per
@@ -176,7 +176,7 @@ def populate(catalog_url: str) -> None:
 
 @contextmanager
 def kvc_serve(
-    catalog_url: str, workdir: Path, *, workers: int | None = None
+    catalog_url: str, workdir: Path, *, workers: int | None = None, threads: int | None = None
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """`kvc serve` in a process of its own: (its base URL, the process)."""
     tokens_file = workdir / "tokens.json"
@@ -185,6 +185,8 @@ def kvc_serve(
     args = ["--catalog", catalog_url, "--port", str(port), "--tokens-file", str(tokens_file)]
     if workers is not None:
         args += ["--workers", str(workers)]
+    if threads is not None:
+        args += ["--threads", str(threads)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVC_")}
     server = subprocess.Popen(
         [str(Path(sys.executable).parent / "kvc"), "serve", *args],
@@ -514,6 +516,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=60, help="per phase")
     ap.add_argument("--catalog", choices=["sqlite", "postgres"], default="sqlite")
     ap.add_argument("--workers", type=int, default=None, help="kvc serve --workers")
+    ap.add_argument("--threads", type=int, default=None, help="kvc serve --threads")
     ap.add_argument("--client-procs", type=int, default=1, help="processes for the N clients")
     ap.add_argument("--ceiling", action="store_true", help="also measure the generator's ceiling")
     ap.add_argument("--sample-every", type=float, default=10.0, help="RSS sample period (s)")
@@ -540,7 +543,7 @@ def main() -> None:
                 client_procs=args.client_procs,
                 publish_ratio=args.publish_ratio,
             )
-        with kvc_serve(url, tmp, workers=args.workers) as (base, server):
+        with kvc_serve(url, tmp, workers=args.workers, threads=args.threads) as (base, server):
             one = drive(
                 base,
                 server.pid,
@@ -572,7 +575,11 @@ def main() -> None:
         print(json.dumps(doc, indent=2))
     else:
         workers = "default" if args.workers is None else args.workers
-        print(f"\nkvc serve ({args.catalog}, --workers {workers}), {os.cpu_count()} cores")
+        threads = "default" if args.threads is None else args.threads
+        print(
+            f"\nkvc serve ({args.catalog}, --workers {workers}, --threads {threads}),"
+            f" {os.cpu_count()} cores"
+        )
         if ceiling is not None:
             _print_phase("load generator ceiling (stub server)", ceiling.summary())
         _print_phase("1 client", s1)
