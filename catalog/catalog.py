@@ -47,14 +47,15 @@ class Catalog(Namespaces, Publishing, Lookups, Replicas, Names, Lineage):
         self._access = AccessLog(self.db, access_flush_s)
 
     @classmethod
-    def open(cls, url: str, *, upgrade: bool = False, **kwargs: Any) -> Catalog:
+    def open(cls, url: str, *, upgrade: bool = False, pool_size: int = 5, **kwargs: Any) -> Catalog:
         """Open the catalog at `url`; refuse a database of another schema revision.
 
-        `upgrade=True` runs the migrations first (what `kvc init` does).
+        `upgrade=True` runs the migrations first (what `kvc init` does). `pool_size`:
+        database connections kept open, about the threads that call the catalog at once.
         `CatalogInputError`: malformed URL; `CatalogUnavailableError`: the
         database cannot be reached; `SchemaVersionError`: run `kvc db upgrade`.
         """
-        engine = database.create_engine(url)
+        engine = database.create_engine(url, pool_size=pool_size)
         try:
             if upgrade:
                 database.upgrade(engine)

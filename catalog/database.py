@@ -15,6 +15,7 @@ from catalog.errors import CatalogError, SchemaVersionError
 log = logging.getLogger(__name__)
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
+SQLITE_BUSY_TIMEOUT_S = 30  # how long a SQLite writer waits for the write lock
 
 
 def safe_url(url: str | sa.URL) -> str:
@@ -25,8 +26,14 @@ def safe_url(url: str | sa.URL) -> str:
         return "<malformed URL>"
 
 
-def create_engine(url: str) -> Engine:
-    """An engine for `sqlite:///path` or `postgresql+psycopg://...`, configured for the catalog."""
+def create_engine(url: str, *, pool_size: int = 5) -> Engine:
+    """An engine for `sqlite:///path` or `postgresql+psycopg://...`, configured for the catalog.
+
+    `pool_size`: connections kept open; up to twice as many more are opened under load and
+    closed again (size it to the threads that use the catalog at once)."""
+    if pool_size < 1:
+        raise ValueError(f"pool_size must be >= 1, got {pool_size!r}")
+    pool = {"pool_size": pool_size, "max_overflow": 2 * pool_size}
     try:
         parsed = make_url(url)
     except ArgumentError as exc:
@@ -42,7 +49,7 @@ def create_engine(url: str) -> Engine:
         db_path = Path(parsed.database)
         if not db_path.parent.exists():
             raise CatalogError(f"directory {db_path.parent} of SQLite catalog does not exist")
-        engine = sa.create_engine(parsed, connect_args={"timeout": 30})
+        engine = sa.create_engine(parsed, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S}, **pool)
 
         @sa.event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_conn: Any, _record: object) -> None:
@@ -50,7 +57,7 @@ def create_engine(url: str) -> Engine:
             # instead of failing at once; foreign keys are off by default in SQLite.
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA busy_timeout=30000")
+            cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_S * 1000}")
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA synchronous=FULL")
             cur.close()
@@ -69,7 +76,7 @@ def create_engine(url: str) -> Engine:
         if parsed.get_driver_name() not in ("psycopg", "psycopg2"):
             parsed = parsed.set(drivername="postgresql+psycopg")
         try:
-            return sa.create_engine(parsed, pool_pre_ping=True, pool_size=5, max_overflow=10)
+            return sa.create_engine(parsed, pool_pre_ping=True, **pool)
         except (NoSuchModuleError, ImportError) as exc:
             raise CatalogError(
                 "PostgreSQL catalogs need psycopg: pip install 'kvc[postgres]'"

@@ -21,6 +21,7 @@ transaction did not commit); a connection lost while committing is
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -92,6 +93,12 @@ class Database:
         self.engine = engine
         self.url = database.safe_url(url)
         self._writer = engine.execution_options(kvc_write=True)
+        # SQLite has one writer at a time, and a writer waiting for the lock polls it with
+        # growing sleeps, so under many writers some wait seconds while others get in.
+        # The writers of this process queue here instead, and only one of them at a time
+        # polls SQLite against other processes. (Re-entrant: a nested write in one thread
+        # meets SQLite's lock, as it did without this one.)
+        self._write_lock = threading.RLock() if engine.dialect.name == "sqlite" else None
         # Rows that never change once committed, cached by name / hex; bounded so a
         # catalog with very many namespaces or fingerprints cannot grow the process.
         self._ns_cache: LRU[str, tuple[int, int]] = LRU(CACHE_ENTRIES)
@@ -119,7 +126,7 @@ class Database:
     def write(self) -> Iterator[sa.Connection]:
         """A write transaction: committed when the block ends, rolled back if it raises."""
         pending: list[Callable[[], None]] = []
-        with self._writer.connect() as conn:
+        with self._write_turn(), self._writer.connect() as conn:
             tx = conn.begin()
             conn.info[_AFTER_COMMIT] = pending
             try:
@@ -141,6 +148,22 @@ class Database:
                 ) from exc
         for fn in pending:  # committed: now the caches may learn what it created
             fn()
+
+    @contextmanager
+    def _write_turn(self) -> Iterator[None]:
+        """This process's turn to write (SQLite), waited for as long as SQLite's busy timeout."""
+        if self._write_lock is None:
+            yield
+            return
+        if not self._write_lock.acquire(timeout=database.SQLITE_BUSY_TIMEOUT_S):
+            raise CatalogUnavailableError(
+                f"catalog {self.url} is unavailable: other writers of this process held it "
+                f"for {database.SQLITE_BUSY_TIMEOUT_S} s"
+            )
+        try:
+            yield
+        finally:
+            self._write_lock.release()
 
     @staticmethod
     def after_commit(conn: sa.Connection, fn: Callable[[], None]) -> None:

@@ -61,6 +61,18 @@ class Settings(BaseSettings):
         default=None, description="namespace -> sha256(token) for `kvc serve`"
     )
     max_prompt_tokens: int = Field(default=1 << 20, ge=1)
+    serve_workers: int | None = Field(
+        default=None,
+        ge=1,
+        le=256,
+        description="`kvc serve`: processes answering requests; default one per core, at most 8",
+    )
+    serve_threads: int = Field(
+        default=8,
+        ge=1,
+        le=1024,
+        description="`kvc serve`: requests each process handles at once (its threadpool)",
+    )
     max_body_bytes: int = Field(
         default=64 << 20, ge=1, description="`kvc serve`: larger request bodies are a 413"
     )
@@ -101,6 +113,16 @@ class Settings(BaseSettings):
     @property
     def uses_embedded_default(self) -> bool:
         return self.catalog_url is None or not self.stores
+
+
+def default_serve_workers() -> int:
+    """`kvc serve`'s processes when not told: one per core this process may run on, at most 8
+    (each holds its own database connections)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, 8))
 
 
 def load(**flags: Any) -> Settings:

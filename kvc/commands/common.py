@@ -92,7 +92,7 @@ def settings_options(fn: F) -> F:
 
 @contextmanager
 def open_catalog(
-    settings: Settings, *, upgrade: bool = False, journal: bool = True
+    settings: Settings, *, upgrade: bool = False, journal: bool = True, pool_size: int = 5
 ) -> Iterator[Any]:
     """The configured catalog, with errors turned into one line (exit 2 for configuration).
 
@@ -108,7 +108,7 @@ def open_catalog(
     if settings.catalog_url is None:
         settings.home.mkdir(parents=True, exist_ok=True)
     try:
-        cat = Catalog.open(url, upgrade=upgrade)
+        cat = Catalog.open(url, upgrade=upgrade, pool_size=pool_size)
     except SchemaVersionError as exc:
         fail(str(exc), EXIT_USAGE)
     except CatalogUnavailableError as exc:  # a server that is down: not the caller's mistake

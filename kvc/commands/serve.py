@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import click
 
 from catalog.identity import is_hex64
 from kvc.commands.common import EXIT_USAGE, fail, open_catalog, settings_options, setup_logging
-from kvc.settings import Settings
+from kvc.settings import Settings, default_serve_workers
 
 
 def load_tokens(path: Path) -> dict[str, str]:
@@ -56,6 +58,18 @@ See docs/http-api.md for the endpoints.""",
     default=None,
     help="JSON object namespace -> sha256 hex of its bearer token (env KVC_TOKENS_FILE). Required.",
 )
+@click.option(
+    "--workers",
+    type=click.IntRange(1, 256),
+    default=None,
+    help="Processes answering requests (env KVC_SERVE_WORKERS, default one per core, at most 8).",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(1, 1024),
+    default=None,
+    help="Requests each process handles at once (env KVC_SERVE_THREADS, default 8).",
+)
 @click.option("-v", "--verbose", is_flag=True, help="Log debug details to stderr.")
 def serve(
     settings: Settings,
@@ -63,6 +77,8 @@ def serve(
     host: str | None,
     port: int | None,
     tokens_file: Path | None,
+    workers: int | None,
+    threads: int | None,
     verbose: bool,
 ) -> None:
     """Serve the catalog over HTTP to workers holding a namespace's bearer token.
@@ -72,6 +88,7 @@ def serve(
     import uvicorn
 
     from kvc.service import create_app
+    from kvc.service.worker import pool_size
 
     setup_logging(verbose)
     path = tokens_file or settings.tokens_file
@@ -82,20 +99,78 @@ def serve(
     bind_port = port if port is not None else settings.port
     if not 1 <= bind_port <= 65535:
         fail(f"--port must be in 1..65535, got {bind_port}", EXIT_USAGE)
+    processes = workers or settings.serve_workers or default_serve_workers()
+    per_process = threads or settings.serve_threads
+    log_level = "debug" if verbose else "info"
+    if processes > 1:
+        _serve_processes(settings, tokens, bind_host, bind_port, processes, per_process, log_level)
+        return
     # Journal refs and pins to the stores the workers write to, when they are configured
     # (without KVC_STORES the service does not know where the blobs are).
-    with open_catalog(settings, journal=bool(settings.stores)) as cat:
+    with open_catalog(
+        settings, journal=bool(settings.stores), pool_size=pool_size(per_process)
+    ) as cat:
         app = create_app(
             cat,
             tokens,
             max_prompt_tokens=settings.max_prompt_tokens,
             max_body_bytes=settings.max_body_bytes,
+            threads=per_process,
         )
         click.echo(
             f"kvc: serving {cat.url} for {len(tokens)} namespace(s) on http://{bind_host}:{bind_port}",
             err=True,
         )
-        uvicorn.run(app, host=bind_host, port=bind_port, log_level="debug" if verbose else "info")
+        uvicorn.run(app, host=bind_host, port=bind_port, log_level=log_level)
+
+
+def _serve_processes(
+    settings: Settings,
+    tokens: dict[str, str],
+    host: str,
+    port: int,
+    processes: int,
+    threads: int,
+    log_level: str,
+) -> None:
+    """uvicorn's supervisor and `processes` workers on one socket, each with its own catalog.
+
+    The catalog is opened here first only so that a bad URL or schema is one line and exit 2,
+    as with one process. Metrics are summed over the workers through files in a directory
+    that lives as long as the service."""
+    import uvicorn
+
+    from kvc.service.worker import CONFIG_ENV, WorkerConfig
+
+    with open_catalog(settings, journal=False) as cat:
+        url = cat.url
+    with tempfile.TemporaryDirectory(prefix="kvc-serve-metrics-") as metrics_dir:
+        config = WorkerConfig(
+            catalog_url=settings.resolved_catalog_url,
+            journal_stores=settings.resolved_stores if settings.stores else [],
+            tokens=tokens,
+            max_prompt_tokens=settings.max_prompt_tokens,
+            max_body_bytes=settings.max_body_bytes,
+            threads=threads,
+            metrics_dir=metrics_dir,
+        )
+        # The workers are new interpreters (spawned): the environment is how they get this,
+        # and prometheus_client reads its variable when it is first imported there.
+        os.environ[CONFIG_ENV] = config.model_dump_json()
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+        click.echo(
+            f"kvc: serving {url} for {len(tokens)} namespace(s) on http://{host}:{port}"
+            f" with {processes} worker processes",
+            err=True,
+        )
+        uvicorn.run(
+            "kvc.service.worker:app_from_environment",
+            factory=True,
+            workers=processes,
+            host=host,
+            port=port,
+            log_level=log_level,
+        )
 
 
 @click.command("serve-hash-token", epilog="Example: kvc serve-hash-token < token.txt")

@@ -6,9 +6,11 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio.to_thread
 from fastapi import FastAPI, Request, Response
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
@@ -59,6 +61,7 @@ class Guard:
 
         try:
             await self.app(scope, receive, tracking_send)
+            self.metrics.after_request()
         except Exception as exc:
             self.metrics.errors.inc()
             # The type and the request line only: messages may carry values from the request.
@@ -145,8 +148,17 @@ def create_app(
     *,
     max_prompt_tokens: int,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    threads: int | None = None,
+    metrics_dir: str | None = None,
+    on_close: Callable[[], None] | None = None,
 ) -> FastAPI:
-    """The service over `catalog`; `tokens` maps each namespace to the sha256 hex of its bearer token."""
+    """The service over `catalog`; `tokens` maps each namespace to the sha256 hex of its bearer token.
+
+    `threads`: requests handled at once (the event loop's threadpool, set when the server
+    starts the app; default anyio's 40).
+    `metrics_dir`: the processes of one service share their metrics there (`Metrics`).
+    `on_close` runs when the server shuts the app down (its lifespan), after the last request.
+    """
     hashes: dict[str, bytes] = {}
     for ns, h in tokens.items():
         if not isinstance(ns, str) or not ns:
@@ -156,10 +168,24 @@ def create_app(
         hashes[ns] = h.lower().encode("ascii")
     if max_prompt_tokens < 1:
         raise ValueError("max_prompt_tokens must be >= 1")
+    if threads is not None and threads < 1:
+        raise ValueError("threads must be >= 1")
 
-    metrics = Metrics()
+    metrics = Metrics(metrics_dir)
     metrics.watch_journal(lambda: catalog.journal_failures)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if threads is not None:
+            # The routes are plain `def`s run in this pool. With many threads at once they
+            # mostly wait for the GIL and hand it to each other: fewer threads do more.
+            anyio.to_thread.current_default_thread_limiter().total_tokens = threads
+        yield
+        if on_close is not None:
+            on_close()
+
     app = FastAPI(
+        lifespan=lifespan,
         title="kvc catalog service",
         version="1",
         description="The kvc catalog over HTTP; see docs/http-api.md.",

@@ -73,7 +73,7 @@ class Authenticate:
 _bearer = HTTPBearer(auto_error=False, description="The namespace's token")
 
 
-def authorize(
+async def authorize(
     request: Request,
     namespace: str,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],

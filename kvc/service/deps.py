@@ -1,5 +1,8 @@
 """What every router shares: the app's catalog and metrics as dependencies, and the refusals
-each route declares in the OpenAPI document."""
+each route declares in the OpenAPI document.
+
+The dependencies here and in `auth` are `async def` although they never await: FastAPI runs
+a plain `def` dependency in its threadpool, one thread hand-off each, per request."""
 
 from __future__ import annotations
 
@@ -13,12 +16,12 @@ from kvc.service.metrics import Metrics
 from kvc.wire import ErrorModel, InvalidRequestModel
 
 
-def _catalog(request: Request) -> Catalog:
+async def _catalog(request: Request) -> Catalog:
     catalog: Catalog = request.app.state.catalog
     return catalog
 
 
-def _metrics(request: Request) -> Metrics:
+async def _metrics(request: Request) -> Metrics:
     metrics: Metrics = request.app.state.metrics
     return metrics
 
@@ -37,7 +40,7 @@ class PromptLimit:
             )
 
 
-def _limit(request: Request) -> PromptLimit:
+async def _limit(request: Request) -> PromptLimit:
     limit: PromptLimit = request.app.state.prompt_limit
     return limit
 
