@@ -570,16 +570,22 @@ class RawRecord:
         self.payload_offset = end + (-end % PAYLOAD_ALIGNMENT)
         self.size = self.payload_offset + raw_size
 
-    def payload(self, buf: np.ndarray) -> np.ndarray:
-        """The writable payload of the record in `buf` (uint8, at least `size` bytes), shaped
+    def payload(self, buf: bytearray) -> np.ndarray:
+        """The writable payload of the record in `buf` (`size` bytes long), shaped
         `[L, 2, T, H, D]` in the storage dtype: copy the KV here."""
         h = self._header
-        return buf[self.payload_offset : self.size].view(DTYPES[h.dtype]).reshape(h.shape)
+        if len(buf) != self.size:
+            raise ValueError(f"the record needs a buffer of {self.size} bytes, got {len(buf)}")
+        return np.frombuffer(buf, DTYPES[h.dtype], math.prod(h.shape), self.payload_offset).reshape(
+            h.shape
+        )
 
-    def finish(self, buf: np.ndarray, *, threads: int = 1) -> tuple[str, memoryview, ChunkHeader]:
+    def finish(self, buf: bytearray, *, threads: int = 1) -> tuple[str, memoryview, ChunkHeader]:
         """Hash the filled payload in place, write the header in front of it; return the blob
-        key, a view of the record's `size` bytes in `buf`, and the header."""
-        view = memoryview(buf)[: self.size]
+        key, a view of the whole of `buf` (the record), and the header."""
+        if len(buf) != self.size:
+            raise ValueError(f"the record needs a buffer of {self.size} bytes, got {len(buf)}")
+        view = memoryview(buf)
         digest: str = blake3.blake3(view[self.payload_offset :], max_threads=threads).hexdigest()
         header = dataclasses.replace(self._header, payload_blake3=digest, stored_blake3=digest)
         header_bytes = header.to_json()

@@ -261,11 +261,10 @@ class S3Store(ChunkStore):
     def _put_single(self, key: str, view: memoryview) -> Receipt | None:
         obj = self.object_key(key)
         sha_b64, _ = sha256_b64(view)
-        body = (
-            view.obj
-            if isinstance(view.obj, bytes) and len(view.obj) == view.nbytes
-            else view.tobytes()
-        )
+        # botocore takes bytes or a bytearray as they are: a view of a whole one (a
+        # checkpoint's record buffer) goes out without a copy.
+        whole = isinstance(view.obj, bytes | bytearray) and len(view.obj) == view.nbytes
+        body = view.obj if whole else view.tobytes()
         try:
             resp = self._call(
                 "put",

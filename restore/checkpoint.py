@@ -72,7 +72,7 @@ class _ChunkJob:
     hash_threads: int
 
 
-def finish_record(rec: RawRecord, buf: np.ndarray[Any, Any], threads: int) -> tuple[str, memoryview, ChunkHeader]:
+def finish_record(rec: RawRecord, buf: bytearray, threads: int) -> tuple[str, memoryview, ChunkHeader]:
     """Hash a filled record in place and write its header (a seam the crash tests park in)."""
     return rec.finish(buf, threads=threads)
 
@@ -341,15 +341,31 @@ class Checkpointer:
 
     def _each(self, tasks: list[Callable[[], _T]]) -> list[_T]:
         """Run `tasks` on the chunk workers; their results in order, or the first task's
-        error (in task order) once every task has finished (none is left running)."""
+        error (in task order) once no task is left running. After a failure, tasks not
+        yet started are skipped: a failing disk gets no more writes than it must."""
         if len(tasks) <= 1 or self._parallel == 1:
             return [task() for task in tasks]
         with self._lock:
             if self._workers is None:
                 self._workers = ThreadPoolExecutor(self._parallel, thread_name_prefix="kvc-chunk")
             workers = self._workers
-        futures = [workers.submit(task) for task in tasks]
+        failed = threading.Event()
+
+        def run(task: Callable[[], _T]) -> _T:
+            if failed.is_set():
+                raise _Skipped
+            try:
+                return task()
+            except BaseException:
+                failed.set()  # before this worker takes the next task
+                raise
+
+        futures = [workers.submit(run, task) for task in tasks]
         wait(futures)
+        errors = [f.exception() for f in futures]
+        first = next((e for e in errors if e is not None and not isinstance(e, _Skipped)), None)
+        if first is not None:
+            raise first
         return [f.result() for f in futures]
 
     def _put_chunk(
@@ -630,3 +646,7 @@ class Checkpointer:
 
 def _nothing() -> None:
     return None
+
+
+class _Skipped(Exception):
+    """A chunk task not run because another one had failed."""

@@ -59,36 +59,54 @@ class RecordBuffers:
     write-behind) and the next record is built in it. At most `keep_bytes` of idle
     buffers are kept; buffers in use are bounded by the checkpoint's parallelism
     and the write-behind budget, not here.
+
+    Buffers are `bytearray`s cut to the record's exact length (a bytearray shrinks
+    and regrows within its allocation in place), because that is what an S3
+    client sends without copying it first.
     """
 
     def __init__(self, keep_bytes: int) -> None:
         self.keep_bytes = keep_bytes
         self._lock = threading.Lock()
-        self._idle: list[np.ndarray[Any, Any]] = []
+        self._idle: list[bytearray] = []
 
     @property
     def idle_bytes(self) -> int:
         with self._lock:
-            return sum(b.nbytes for b in self._idle)
+            return sum(b.__alloc__() for b in self._idle)
 
-    def acquire(self, record: RawRecord) -> np.ndarray[Any, Any]:
-        """A uint8 buffer of at least `record.size` bytes, not used by anyone else."""
+    def acquire(self, record: RawRecord) -> bytearray:
+        """A buffer of exactly `record.size` bytes, not used by anyone else."""
+        size = record.size
         with self._lock:
-            fits = [b for b in self._idle if b.nbytes >= record.size]
-            if fits:
-                buf = min(fits, key=lambda b: b.nbytes)
+            # Not below half the allocation: shrinking that far reallocates.
+            fits = [b for b in self._idle if size < b.__alloc__() <= 2 * size]
+            for buf in sorted(fits, key=lambda b: b.__alloc__()):
                 self._idle.remove(buf)
+                try:
+                    _resize(buf, size)
+                except BufferError:  # a view of it outlived its user: leave it to them
+                    continue
                 return buf
-        return np.empty(-(-record.size // _ROUND) * _ROUND, dtype=np.uint8)
+        buf = bytearray(-(-(size + 1) // _ROUND) * _ROUND)
+        del buf[size:]
+        return buf
 
-    def release(self, buf: np.ndarray[Any, Any]) -> None:
+    def release(self, buf: bytearray) -> None:
         """Give `buf` back; no view of it may be used after this."""
         with self._lock:
             self._idle.append(buf)
-            self._idle.sort(key=lambda b: b.nbytes, reverse=True)
-            while self._idle and sum(b.nbytes for b in self._idle) > self.keep_bytes:
+            self._idle.sort(key=lambda b: b.__alloc__(), reverse=True)
+            while self._idle and sum(b.__alloc__() for b in self._idle) > self.keep_bytes:
                 self._idle.pop()
 
     def clear(self) -> None:
         with self._lock:
             self._idle.clear()
+
+
+def _resize(buf: bytearray, size: int) -> None:
+    if len(buf) > size:
+        del buf[size:]
+    elif len(buf) < size:
+        buf.extend(bytes(size - len(buf)))
