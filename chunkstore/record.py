@@ -418,8 +418,11 @@ def check_finite(arr: np.ndarray, dtype: str) -> None:
             raise ValueError("kv holds NaN or Inf values; refusing to store them")
 
 
+_STRIDED_BLOCK = 1 << 19  # larger pieces than contiguous blocks: each call has a fixed cost
+
+
 def _check_finite_strided(words: np.ndarray, mask: int, limit: int) -> None:
-    if words.ndim > 1 and words.size > _FINITE_BLOCK:
+    if words.ndim > 1 and words.size > _STRIDED_BLOCK:
         for part in words:  # split the outer axis until a piece fits the scratch buffer
             _check_finite_strided(part, mask, limit)
         return

@@ -245,6 +245,12 @@ class S3Store(ChunkStore):
         key = validate_key(key)
         view = memoryview(data).cast("B")
         check_content_address(key, view)
+        return self._put(key, view)
+
+    def put_hashed(self, key: str, data: Buffer) -> Receipt:
+        return self._put(validate_key(key), memoryview(data).cast("B"))
+
+    def _put(self, key: str, view: memoryview) -> Receipt:
         # A 412 followed by a 404 means GC deleted the blob in between: try again.
         for _ in range(3):
             if view.nbytes > self.multipart_threshold:

@@ -431,7 +431,7 @@ class Checkpointer:
             raise
         t = time.perf_counter()
         try:
-            receipt = self.store.put(key, data)
+            receipt = self.store.put_hashed(key, data)  # hashed in this buffer just now
         except BaseException:
             if upload:
                 self._wb.release(data.nbytes)

@@ -147,7 +147,7 @@ class WriteBehind:
         def upload() -> None:
             try:
                 self._describe(target, fp)
-                receipt = target.put(key, held.pop())
+                receipt = target.put_hashed(key, held.pop())  # the publish hashed it
             except ChunkStoreError as exc:
                 # The local replica is durable and catalogued; the object-store
                 # replica simply does not exist until a later upload succeeds.
