@@ -25,7 +25,9 @@ page pool and is checkpointed:
   without an fsync.
 
 Reps are interleaved (kvc, floor, alternatives, kvc, ...) so that noise from
-other work on the machine hits all alike; the ratios are what to read.
+other work on the machine hits all alike; the ratios are what to read. Each
+timed step starts after an os.sync() (not timed), so that none pays for the
+writeback of the step before it.
 
 "copies" counts full copies of the KV in user space between the pool and the
 bytes handed to the kernel or the HTTP client (tests/test_checkpoint_copies.py
@@ -167,6 +169,9 @@ class Runner:
         self.stages: dict[str, list[dict[str, float]]] = defaultdict(list)
 
     def time(self, name: str, fn: Callable[[], object], record: bool) -> None:
+        # Start from a clean page cache: without it a step pays for the writeback of
+        # the one before (ext4 commits other files' dirty data with an fsync).
+        os.sync()
         t0 = time.perf_counter()
         res = fn()
         dt = time.perf_counter() - t0
@@ -266,33 +271,40 @@ def run_section(n: int, reps: int, use_s3: bool, tmp: Path) -> tuple[list[tuple[
 
     for rep in range(reps + 1):  # rep 0 warms up and is not counted
         rec = rep > 0
-        tok = tokens_for(rep, n, 1)
-        r.time("kvc checkpoint, local", lambda t=tok: cp.checkpoint(pool, route, t, FP), rec)
-        clear_dir(local_dir)
-        tok = tokens_for(rep, n, 2)
-        r.time("floor, local", lambda t=tok: floor_local(builder, t, floor_dir, ex), rec)
-        clear_dir(floor_dir)
+        tok1, tok2 = tokens_for(rep, n, 1), tokens_for(rep, n, 2)
+        local_steps: list[tuple[str, Callable[[], object]]] = [
+            ("kvc checkpoint, local", lambda t=tok1: cp.checkpoint(pool, route, t, FP)),
+            ("floor, local", lambda t=tok2: floor_local(builder, t, floor_dir, ex)),
+        ]
+        for name, step in local_steps[:: 1 if rep % 2 else -1]:  # who goes first alternates
+            r.time(name, step, rec)
+            clear_dir(local_dir)
+            clear_dir(floor_dir)
         for sync in (True, False):
             tag = "fsync" if sync else "no fsync"
             r.time(f"alt: safetensors save_file ({tag})", st_save(sync), rec)
             r.time(f"alt: np.save ({tag})", np_save(sync), rec)
             clear_dir(alt_dir)
         if s3_cp is not None:
-            tok = tokens_for(rep, n, 3)
-            r.time("kvc checkpoint, S3", lambda t=tok: s3_cp.checkpoint(pool, route, t, FP), rec)
-            s3_clear(f"kvc-{n}/")
             tok = tokens_for(rep, n, 4)
             hashes = prefix_hashes(NAMESPACE, tok, CHUNK)
             records = []
-            for i in range(len(hashes)):
+            for i in range(len(hashes)):  # the floor's record bytes, built before the clock starts
                 key, view = builder.build(tok, hashes, i)
                 records.append((f"floor-{n}/{key}", bytes(view)))
+            kvc_tok = tokens_for(rep, n, 3)
 
             def put_all(records: list[tuple[str, bytes]] = records) -> None:
                 list(ex.map(lambda kb: client.put_object(Bucket=bucket, Key=kb[0], Body=kb[1]), records))
 
-            r.time("floor, S3: parallel put_object", put_all, rec)
+            def kvc_s3(t: np.ndarray[Any, Any] = kvc_tok, c: Checkpointer = s3_cp) -> object:
+                return c.checkpoint(pool, route, t, FP)
+
+            s3_steps = [("kvc checkpoint, S3", kvc_s3), ("floor, S3: parallel put_object", put_all)]
+            for name, step in s3_steps[:: 1 if rep % 2 else -1]:
+                r.time(name, step, rec)
             records.clear()
+            s3_clear(f"kvc-{n}/")
             s3_clear(f"floor-{n}/")
         print(f"  {n} tokens: rep {rep} done", file=sys.stderr)
 
@@ -315,6 +327,7 @@ def run_section(n: int, reps: int, use_s3: bool, tmp: Path) -> tuple[list[tuple[
         ratio = f"{floors[where] / sec:.2f}" if where in floors else ""
         cp_n = next(c for prefix, c in copies.items() if name.startswith(prefix))
         rows.append((name, sec, ratio, cp_n))
+        print(f"  {name}: reps " + " ".join(f"{x * 1e3:.0f}" for x in r.times[name]) + " ms", file=sys.stderr)
     stages = {
         name: {s: statistics.median(x[s] for x in runs) for s in runs[0]} for name, runs in r.stages.items()
     }
