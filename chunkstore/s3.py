@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 import boto3
 from botocore.config import Config
@@ -269,8 +269,10 @@ class S3Store(ChunkStore):
         sha_b64, _ = sha256_b64(view)
         # botocore takes bytes or a bytearray as they are: a view of a whole one (a
         # checkpoint's record buffer) goes out without a copy.
-        whole = isinstance(view.obj, bytes | bytearray) and len(view.obj) == view.nbytes
-        body = view.obj if whole else view.tobytes()
+        owner = view.obj
+        whole = isinstance(owner, bytes | bytearray) and len(owner) == view.nbytes
+        # botocore's validator takes bytearray too; its type stubs name only bytes.
+        body = cast(bytes, owner) if whole else view.tobytes()
         try:
             resp = self._call(
                 "put",

@@ -298,8 +298,9 @@ class Checkpointer:
         # Refuse NaN/Inf (pool memory gone bad) before storing anything: one scan of the
         # new chunks, in place (no copy), so a refused checkpoint leaves no bytes.
         t = time.perf_counter()
+        dtype = fp.layout.dtype
         self._each(
-            [lambda i=i: check_snapshot_finite(snapshot, *spans[i], fp.layout.dtype) for i, _ in new]
+            [functools.partial(check_snapshot_finite, snapshot, *spans[i], dtype) for i, _ in new]
         )
         seconds["scan"] = time.perf_counter() - t
         parents = [chain_root(self.namespace), *hashes[:-1]]
@@ -311,7 +312,7 @@ class Checkpointer:
             if new:
                 self._describe(self.store, fp)  # the descriptor before the first blob naming it
             done = self._each(
-                [lambda i=i, h=h: self._put_chunk(job, h, parents[i], *spans[i]) for i, h in new]
+                [functools.partial(self._put_chunk, job, h, parents[i], *spans[i]) for i, h in new]
             )
             records = [record for record, _ in done]
             for _, timing in done:
