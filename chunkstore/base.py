@@ -130,6 +130,15 @@ class ChunkStore(abc.ABC):
         Raises `ChunkIntegrityError` when `data` does not hash to `key`.
         """
 
+    def put_hashed(self, key: str, data: Buffer) -> Receipt:
+        """`put` for a caller that has just computed `key` as the blake3 of these very bytes
+        (and holds them unchanged until this returns): a store may skip hashing them again.
+
+        The default is `put`; the local and S3 stores skip their content-address check,
+        one pass over the bytes (a checkpoint hashes every record as it builds it).
+        """
+        return self.put(key, data)
+
     @abc.abstractmethod
     def get(self, key: str) -> Buffer:
         """Return the blob's bytes (bytes-like); raise `BlobNotFoundError` if absent."""

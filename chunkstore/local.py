@@ -138,6 +138,12 @@ class LocalStore(ChunkStore):
         key = validate_key(key)
         view = memoryview(data).cast("B")
         check_content_address(key, view)
+        return self._put(key, view)
+
+    def put_hashed(self, key: str, data: Buffer) -> Receipt:
+        return self._put(validate_key(key), memoryview(data).cast("B"))
+
+    def _put(self, key: str, view: memoryview) -> Receipt:
         final = self.path_of(key)
         try:
             st = final.stat()

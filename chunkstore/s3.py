@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 import boto3
 from botocore.config import Config
@@ -245,6 +245,12 @@ class S3Store(ChunkStore):
         key = validate_key(key)
         view = memoryview(data).cast("B")
         check_content_address(key, view)
+        return self._put(key, view)
+
+    def put_hashed(self, key: str, data: Buffer) -> Receipt:
+        return self._put(validate_key(key), memoryview(data).cast("B"))
+
+    def _put(self, key: str, view: memoryview) -> Receipt:
         # A 412 followed by a 404 means GC deleted the blob in between: try again.
         for _ in range(3):
             if view.nbytes > self.multipart_threshold:
@@ -261,11 +267,12 @@ class S3Store(ChunkStore):
     def _put_single(self, key: str, view: memoryview) -> Receipt | None:
         obj = self.object_key(key)
         sha_b64, _ = sha256_b64(view)
-        body = (
-            view.obj
-            if isinstance(view.obj, bytes) and len(view.obj) == view.nbytes
-            else view.tobytes()
-        )
+        # botocore takes bytes or a bytearray as they are: a view of a whole one (a
+        # checkpoint's record buffer) goes out without a copy.
+        owner = view.obj
+        whole = isinstance(owner, bytes | bytearray) and len(owner) == view.nbytes
+        # botocore's validator takes bytearray too; its type stubs name only bytes.
+        body = cast(bytes, owner) if whole else view.tobytes()
         try:
             resp = self._call(
                 "put",

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
+import os
 import queue
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+import blake3
 import numpy as np
 
 from catalog import Fingerprint, chain_root, prefix_hashes
@@ -21,9 +25,10 @@ from catalog.identity import token_array
 from catalog.models import ChunkRecord, Shard
 from chunkstore import ChunkStore
 from chunkstore.codecs import DEFAULT_CODEC
-from chunkstore.record import check_finite, encode_chunk
+from chunkstore.record import ChunkHeader, RawRecord, encode_chunk
 from restore.descriptors import store_descriptor
 from restore.destination import KVSnapshot
+from restore.encode import RecordBuffers, check_snapshot_finite, fill_payload
 from restore.errors import CheckpointBusyError, RestoreError
 from restore.pool import PagePool
 from restore.write_behind import (
@@ -34,6 +39,10 @@ from restore.write_behind import (
 )
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+DEFAULT_RECORD_BUFFER_BYTES = 128 << 20  # idle record buffers kept for the next chunks
 
 
 @dataclass
@@ -48,6 +57,24 @@ class CheckpointResult:
     head: bytes | None
     seconds: dict[str, float] = field(default_factory=dict)
     purge_retries: int = 0  # times it waited for a GC purging chunks it relied on
+
+
+@dataclass(frozen=True)
+class _ChunkJob:
+    """What every chunk of one publish shares."""
+
+    snapshot: KVSnapshot
+    tokens: np.ndarray[Any, Any]
+    fingerprint: Fingerprint
+    shard: Shard
+    speculative: bool
+    catalogued: Future[bool]
+    hash_threads: int
+
+
+def finish_record(rec: RawRecord, buf: bytearray, threads: int) -> tuple[str, memoryview, ChunkHeader]:
+    """Hash a filled record in place and write its header (a seam the crash tests park in)."""
+    return rec.finish(buf, threads=threads)
 
 
 @dataclass
@@ -82,6 +109,13 @@ class Checkpointer:
     document `fingerprints/<hex>`, restore/descriptors.py), written before the
     first blob that names it, once per store and fingerprint: the store then
     describes itself and `rebuild` needs nothing else.
+
+    New chunks are encoded and put `parallel` at a time (default: one per core),
+    and the KV is copied once on the way: from the snapshot (pool pages, an
+    engine's cache) straight into the payload of a record buffer, which is
+    hashed and written (and uploaded) in place, then reused for later records
+    (at most `record_buffer_bytes` of idle buffers are kept). The catalog still
+    hears of the chunks only once all of them are durable.
     """
 
     def __init__(
@@ -100,7 +134,11 @@ class Checkpointer:
         purge_wait_s: float = 60.0,
         write_behind_bytes: int = DEFAULT_WRITE_BEHIND_BYTES,
         write_behind_wait_s: float = DEFAULT_WRITE_BEHIND_WAIT_S,
+        parallel: int | None = None,
+        record_buffer_bytes: int = DEFAULT_RECORD_BUFFER_BYTES,
     ) -> None:
+        if parallel is not None and (isinstance(parallel, bool) or parallel < 1):
+            raise ValueError(f"parallel must be >= 1, got {parallel!r}")
         self.catalog = catalog
         self.purge_wait_s = purge_wait_s
         self.store = store
@@ -135,6 +173,9 @@ class Checkpointer:
             describe=self._describe,
         )
         self._described: set[tuple[str, str]] = set()  # (store name, fingerprint hex) written
+        self._parallel = parallel or os.cpu_count() or 1
+        self._workers: ThreadPoolExecutor | None = None
+        self._buffers = RecordBuffers(record_buffer_bytes)
         self._closed = False
 
     # -- synchronous -----------------------------------------------------------
@@ -252,74 +293,31 @@ class Checkpointer:
         hashes = prefix_hashes(self.namespace, tok, cs)
         known = self.catalog.known_blob_keys(self.namespace, fp, hashes, shard)
         seconds["plan"] = time.perf_counter() - t0
-        records: list[ChunkRecord] = []
-        stored = 0
-        tier = self.store.tier
         new = [(i, h) for i, h in enumerate(hashes) if h not in known]
-        # Refuse NaN/Inf (pool memory gone bad) before storing anything: one cheap
-        # scan of the new chunks first, so a refused checkpoint leaves no bytes.
+        spans = {i: (i * cs, min(len(tok), (i + 1) * cs)) for i, _h in new}
+        # Refuse NaN/Inf (pool memory gone bad) before storing anything: one scan of the
+        # new chunks, in place (no copy), so a refused checkpoint leaves no bytes.
         t = time.perf_counter()
-        for i, _h in new:
-            check_finite(snapshot.read_kv(i * cs, min(len(tok), (i + 1) * cs)), fp.layout.dtype)
+        dtype = fp.layout.dtype
+        self._each(
+            [functools.partial(check_snapshot_finite, snapshot, *spans[i], dtype) for i, _ in new]
+        )
         seconds["scan"] = time.perf_counter() - t
         parents = [chain_root(self.namespace), *hashes[:-1]]
         catalogued: Future[bool] = Future()  # tells write-behind uploads when to record
+        # Chunks in parallel, each on one core: blake3's own threads would only contend.
+        hash_threads = 1 if min(len(new), self._parallel) > 1 else blake3.blake3.AUTO
+        job = _ChunkJob(snapshot, tok, fp, shard, speculative, catalogued, hash_threads)
         try:
             if new:
                 self._describe(self.store, fp)  # the descriptor before the first blob naming it
-            for i, h in new:
-                start, end = i * cs, min(len(tok), (i + 1) * cs)
-                parent = parents[i]
-                t = time.perf_counter()
-                kv = snapshot.read_kv(start, end)  # [L, 2, T, H, D]: the record's payload layout
-                seconds["capture"] += time.perf_counter() - t
-                t = time.perf_counter()
-                enc = encode_chunk(
-                    fingerprint=fp.hex,
-                    namespace=self.namespace,
-                    prefix_hash=h,
-                    parent_hash=parent,
-                    token_start=start,
-                    tokens=tok[start:end].tolist(),
-                    kv=kv,
-                    layers=(shard.layer_lo, shard.layer_hi),
-                    kv_heads=(shard.head_lo, shard.head_hi),
-                    dtype=fp.layout.dtype,
-                    codec=self.codec,
-                )
-                seconds["encode"] += time.perf_counter() - t
-                # Room for the upload is taken before the local put, so an explicit
-                # checkpoint refused for lack of it leaves no bytes of this chunk.
-                upload = self.write_behind is not None and self._wb.admit(
-                    len(enc.data), speculative
-                )
-                t = time.perf_counter()
-                try:
-                    receipt = self.store.put(enc.key, enc.data)
-                except BaseException:
-                    if upload:
-                        self._wb.release(len(enc.data))
-                    raise
-                seconds["store"] += time.perf_counter() - t
-                stored += len(enc.data)
-                records.append(
-                    ChunkRecord(
-                        namespace=self.namespace,
-                        fingerprint=fp,
-                        prefix_hash=h,
-                        parent_hash=parent,
-                        token_start=start,
-                        tokens=tok[start:end].tolist(),
-                        shard=shard,
-                        blob_key=enc.key,
-                        codec=enc.header.codec,
-                        stored_bytes=len(enc.data),
-                        kv_bytes=int(kv.nbytes),
-                        receipts=[to_replica_receipt(receipt, tier)],
-                    )
-                )
-                if upload:
-                    self._wb.upload_later(enc.key, enc.data, fp, catalogued)
+            done = self._each(
+                [functools.partial(self._put_chunk, job, h, parents[i], *spans[i]) for i, h in new]
+            )
+            records = [record for record, _ in done]
+            for _, timing in done:
+                for stage, sec in timing.items():
+                    seconds[stage] += sec
             t = time.perf_counter()
             if records:
                 self.catalog.record_chunks(records, actor=self.actor)
@@ -337,10 +335,129 @@ class Checkpointer:
             chunks=len(hashes),
             new_chunks=len(records),
             skipped_chunks=len(hashes) - len(records),
-            stored_bytes=stored,
+            stored_bytes=sum(r.stored_bytes for r in records),
             head=head,
             seconds=seconds,
         )
+
+    def _each(self, tasks: list[Callable[[], _T]]) -> list[_T]:
+        """Run `tasks` on the chunk workers; their results in order, or the first task's
+        error (in task order) once no task is left running. After a failure, tasks not
+        yet started are skipped: a failing disk gets no more writes than it must."""
+        if len(tasks) <= 1 or self._parallel == 1:
+            return [task() for task in tasks]
+        with self._lock:
+            if self._workers is None:
+                self._workers = ThreadPoolExecutor(self._parallel, thread_name_prefix="kvc-chunk")
+            workers = self._workers
+        failed = threading.Event()
+
+        def run(task: Callable[[], _T]) -> _T:
+            if failed.is_set():
+                raise _Skipped
+            try:
+                return task()
+            except BaseException:
+                failed.set()  # before this worker takes the next task
+                raise
+
+        futures = [workers.submit(run, task) for task in tasks]
+        wait(futures)
+        errors = [f.exception() for f in futures]
+        first = next((e for e in errors if e is not None and not isinstance(e, _Skipped)), None)
+        if first is not None:
+            raise first
+        return [f.result() for f in futures]
+
+    def _put_chunk(
+        self, job: _ChunkJob, h: bytes, parent: bytes, start: int, end: int
+    ) -> tuple[ChunkRecord, dict[str, float]]:
+        """Encode one new chunk and put it durably in `store`; hand it to write-behind."""
+        timing: dict[str, float] = {}
+        fp, shard = job.fingerprint, job.shard
+        tokens = job.tokens[start:end].tolist()
+        lay = job.snapshot.layout
+        shape = (lay.num_layers, 2, end - start, lay.num_kv_heads, lay.head_dim)
+        done: Callable[[], None] = _nothing
+        t = time.perf_counter()
+        if self.codec == "raw":
+            # One copy of the KV: snapshot -> the record's payload, hashed and written in place.
+            rec = RawRecord(
+                fingerprint=fp.hex,
+                namespace=self.namespace,
+                prefix_hash=h,
+                parent_hash=parent,
+                token_start=start,
+                tokens=tokens,
+                shape=shape,
+                dtype=fp.layout.dtype,
+                layers=(shard.layer_lo, shard.layer_hi),
+                kv_heads=(shard.head_lo, shard.head_hi),
+            )
+            buf = self._buffers.acquire(rec)
+            done = functools.partial(self._buffers.release, buf)
+            try:
+                fill_payload(job.snapshot, rec.payload(buf), start, end)
+                timing["capture"] = time.perf_counter() - t
+                t = time.perf_counter()
+                key, data, header = finish_record(rec, buf, job.hash_threads)
+            except BaseException:
+                done()
+                raise
+        else:
+            kv = job.snapshot.read_kv(start, end)  # compressing makes its own copy anyway
+            timing["capture"] = time.perf_counter() - t
+            t = time.perf_counter()
+            enc = encode_chunk(
+                fingerprint=fp.hex,
+                namespace=self.namespace,
+                prefix_hash=h,
+                parent_hash=parent,
+                token_start=start,
+                tokens=tokens,
+                kv=kv,
+                layers=(shard.layer_lo, shard.layer_hi),
+                kv_heads=(shard.head_lo, shard.head_hi),
+                dtype=fp.layout.dtype,
+                codec=self.codec,
+            )
+            key, data, header = enc.key, memoryview(enc.data), enc.header
+        timing["encode"] = time.perf_counter() - t
+        # Room for the upload is taken before the local put, so an explicit
+        # checkpoint refused for lack of it leaves no bytes of this chunk.
+        try:
+            upload = self.write_behind is not None and self._wb.admit(data.nbytes, job.speculative)
+        except BaseException:
+            done()
+            raise
+        t = time.perf_counter()
+        try:
+            receipt = self.store.put_hashed(key, data)  # hashed in this buffer just now
+        except BaseException:
+            if upload:
+                self._wb.release(data.nbytes)
+            done()
+            raise
+        timing["store"] = time.perf_counter() - t
+        record = ChunkRecord(
+            namespace=self.namespace,
+            fingerprint=fp,
+            prefix_hash=h,
+            parent_hash=parent,
+            token_start=start,
+            tokens=tokens,
+            shard=shard,
+            blob_key=key,
+            codec=header.codec,
+            stored_bytes=data.nbytes,
+            kv_bytes=math.prod(shape) * lay.numpy_dtype.itemsize,
+            receipts=[to_replica_receipt(receipt, self.store.tier)],
+        )
+        if upload:
+            self._wb.upload_later(key, data, fp, job.catalogued, done=done)
+        else:
+            done()
+        return record, timing
 
     def _move_ref(self, name: str, fp: Fingerprint, head: bytes, pending: int | None) -> None:
         try:
@@ -517,6 +634,9 @@ class Checkpointer:
             self._queue.put(None)
             self._worker.join()
         self._wb.close()
+        if self._workers is not None:
+            self._workers.shutdown(wait=True)
+        self._buffers.clear()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -527,3 +647,7 @@ class Checkpointer:
 
 def _nothing() -> None:
     return None
+
+
+class _Skipped(Exception):
+    """A chunk task not run because another one had failed."""

@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from catalog import AttentionLayout
+from chunkstore.record import check_finite
 from restore.errors import RestoreError
-from restore.pages import check_range, copy_out_kv
+from restore.pages import check_range, copy_out_into, copy_out_kv, page_views
 
 if TYPE_CHECKING:
     from restore.pool import PagePool
@@ -69,6 +70,26 @@ class Lease:
         # off these pages, and a capture must not stall the decoding thread.
         pool = self._pool
         return copy_out_kv(pool.kv, pool.layout, self.pages, start, end, pool.page_size)
+
+    def read_kv_into(self, out: np.ndarray[Any, Any], start: int, end: int) -> None:
+        """Copy snapshot positions `[start, end)` into `out`, shaped `[num_layers, 2, end-start, H, D]`
+        (e.g. a record's payload: the checkpoint's one copy of the KV)."""
+        pool = self._open_pool()
+        start, end = check_range(start, end, self.length)
+        copy_out_into(out, pool.kv, self.pages, start, end, pool.page_size)
+
+    def check_finite(self, start: int, end: int) -> None:
+        """Raise ValueError if snapshot positions `[start, end)` hold a NaN or an Inf; reads the
+        pages in place."""
+        pool = self._open_pool()
+        start, end = check_range(start, end, self.length)
+        for piece in page_views(pool.kv, self.pages, start, end, pool.page_size):
+            check_finite(piece, pool.layout.dtype)
+
+    def _open_pool(self) -> PagePool:
+        if self.closed:
+            raise RestoreError(f"lease {self._id} on route {self.route} is closed")
+        return self._pool
 
     def close(self) -> None:
         """Drop the snapshot's page references (idempotent)."""

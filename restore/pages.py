@@ -96,6 +96,29 @@ def copy_out_kv(
     out = np.empty(
         (layout.num_layers, 2, end - start, layout.num_kv_heads, layout.head_dim), dtype=kv.dtype
     )
+    copy_out_into(out, kv, pages, start, end, page_size)
+    return out
+
+
+def copy_out_into(
+    out: np.ndarray[Any, Any],
+    kv: np.ndarray[Any, Any],
+    pages: Sequence[int],
+    start: int,
+    end: int,
+    page_size: int,
+) -> None:
+    """Copy positions `[start, end)` of the page table `pages` into `out` (`[L, 2, end-start, H, D]`)."""
+    want = (kv.shape[0], 2, end - start, kv.shape[4], kv.shape[5])
+    if out.shape != want or out.dtype != kv.dtype:
+        raise ValueError(f"out must be shaped {list(want)} of {kv.dtype}, got {list(out.shape)} of {out.dtype}")
     for idx, slot, take, s in page_spans(start, end, page_size):
         out[:, :, s : s + take] = kv[:, :, pages[idx], slot : slot + take]
-    return out
+
+
+def page_views(
+    kv: np.ndarray[Any, Any], pages: Sequence[int], start: int, end: int, page_size: int
+) -> Iterator[np.ndarray[Any, Any]]:
+    """Views (no copies) of positions `[start, end)` of the page table `pages`, one per page piece."""
+    for idx, slot, take, _ in page_spans(start, end, page_size):
+        yield kv[:, :, pages[idx], slot : slot + take]

@@ -8,6 +8,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from typing_extensions import Buffer
+
 from catalog import Fingerprint
 from catalog.base import CatalogAPI
 from catalog.errors import NotFoundError, PurgeInProgressError
@@ -120,20 +122,32 @@ class WriteBehind:
             self._room.notify_all()
 
     def upload_later(
-        self, key: str, data: bytes, fp: Fingerprint, catalogued: Future[bool]
+        self,
+        key: str,
+        data: Buffer,
+        fp: Fingerprint,
+        catalogued: Future[bool],
+        *,
+        done: Callable[[], None] | None = None,
     ) -> None:
         """Upload now (its room in the budget already taken); record the replica once
         `catalogued` says the chunk's row exists (a replica of a chunk not yet
-        catalogued would be refused, and lost)."""
+        catalogued would be refused, and lost). `done` is called once `data` is no
+        longer read (its buffer may then be reused)."""
         target = self.target
         assert target is not None
-        nbytes = len(data)
+        nbytes = memoryview(data).nbytes
         held = [data]  # emptied after the put, so the bytes go as their room is given back
+
+        def let_go() -> None:
+            held.clear()
+            if done is not None:
+                done()
 
         def upload() -> None:
             try:
                 self._describe(target, fp)
-                receipt = target.put(key, held.pop())
+                receipt = target.put_hashed(key, held.pop())  # the publish hashed it
             except ChunkStoreError as exc:
                 # The local replica is durable and catalogued; the object-store
                 # replica simply does not exist until a later upload succeeds.
@@ -142,7 +156,7 @@ class WriteBehind:
                     self.dropped["write_behind_failed"] += 1
                 return
             finally:
-                held.clear()
+                let_go()
                 # Given back before waiting for the catalog: a publish waiting for room
                 # never waits on its own uploads' catalog step.
                 self.release(nbytes)
@@ -170,7 +184,7 @@ class WriteBehind:
             try:
                 fut = self._uploads.submit(upload)
             except RuntimeError:  # closed under a publish still running
-                held.clear()
+                let_go()
                 self._pending -= nbytes
                 self._room.notify_all()
                 self.dropped["write_behind_closed"] += 1

@@ -40,13 +40,13 @@ def main() -> None:
     store = open_store(args["store"])
 
     if step == "after_encode":
-        real_encode = checkpoint_module.encode_chunk
+        real_finish = checkpoint_module.finish_record
 
-        def encode_then_park(**kw: Any) -> Any:
-            real_encode(**kw)
+        def encode_then_park(*a: Any, **kw: Any) -> Any:
+            real_finish(*a, **kw)
             park(marker)
 
-        checkpoint_module.encode_chunk = encode_then_park  # type: ignore[assignment]
+        checkpoint_module.finish_record = encode_then_park
     elif step == "during_put":
         if store.name.startswith("file:"):
             import chunkstore.local as local_module

@@ -310,7 +310,8 @@ def test_a_put_failing_with_500_catalogues_nothing(rig: Rig, tmp_path: Path) -> 
     try:
         with rig.open("put") as s3:
             with (
-                Checkpointer(cat, s3, chunk_size=32, write_behind=None) as cp,
+                # One chunk at a time, so the PUTs come in a known order.
+                Checkpointer(cat, s3, chunk_size=32, write_behind=None, parallel=1) as cp,
                 pytest.raises(StoreUnavailableError, match="outcome unknown"),
             ):
                 cp.checkpoint(pool, r, TOKENS, MODEL.fingerprint, name="x")

@@ -13,6 +13,7 @@ from transformers.cache_utils import DynamicLayer
 
 from catalog import AttentionLayout
 from catalog.models import Shard
+from chunkstore.record import check_finite
 from restore.engines.hf.identity import full_attention_layers, torch_dtype
 from restore.errors import InputError, UnsupportedModelError
 
@@ -85,10 +86,21 @@ class CacheSnapshot:
         out = np.empty(
             (lay.num_layers, 2, end - start, lay.num_kv_heads, lay.head_dim), dtype=lay.numpy_dtype
         )
+        self.read_kv_into(out, start, end)
+        return out
+
+    def read_kv_into(self, out: np.ndarray[Any, Any], start: int, end: int) -> None:
+        """Copy positions `[start, end)` into `out` (`[L, 2, end - start, H, D]`, e.g. a record's
+        payload): the one copy a checkpoint makes of the cache."""
         for i, (k, v) in enumerate(self._kv):
             out[i, 0] = k[:, start:end].transpose(1, 0, 2)
             out[i, 1] = v[:, start:end].transpose(1, 0, 2)
-        return out
+
+    def check_finite(self, start: int, end: int) -> None:
+        """Raise ValueError if positions `[start, end)` hold a NaN or an Inf (read in place)."""
+        for k, v in self._kv:
+            check_finite(k[:, start:end], self._layout.dtype)
+            check_finite(v[:, start:end], self._layout.dtype)
 
 
 def _to_pinned_host(
