@@ -23,6 +23,7 @@ from chunkstore.record import (
     PAYLOAD_ALIGNMENT,
     ChunkHeader,
     EncodedChunk,
+    RawRecord,
     blake3_hex,
     decode_chunk,
     encode_chunk,
@@ -545,3 +546,32 @@ def test_random_chunks_round_trip(args: dict[str, Any]) -> None:
         assert (header.layers, header.kv_heads) == (args["layers"], args["kv_heads"])
         assert (header.dtype, header.codec) == (args["dtype"], args["codec"])
     assert read_header(rec.data) == rec.header
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("layers", [None, (2, 4)])
+def test_a_record_built_in_place_is_byte_identical_to_encode_chunk(
+    dtype: str, layers: tuple[int, int] | None
+) -> None:
+    """The checkpoint builds raw records in place (RawRecord); they must be the exact bytes
+    encode_chunk writes, so keys, format and every reader stay the same."""
+    kv = make_kv(dtype, (2, 2, 5, 3, 8), seed=4)
+    extra: dict[str, Any] = {} if layers is None else {"layers": layers}
+    want = encode(kv, **extra)
+    rec = RawRecord(
+        fingerprint=FP,
+        namespace="tenant-a",
+        prefix_hash=PREFIX,
+        parent_hash=PARENT,
+        token_start=256,
+        tokens=list(range(1000, 1005)),
+        shape=kv.shape,
+        dtype=dtype,
+        **extra,
+    )
+    buf = bytearray(b"\xff" * rec.size)  # stale bytes from a reused buffer must not leak
+    rec.payload(buf)[...] = kv
+    key, view, header = rec.finish(buf)
+    assert bytes(view) == bytes(want.data)
+    assert key == want.key
+    assert header == want.header
