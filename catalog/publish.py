@@ -143,7 +143,7 @@ def record_in(
         )
     after = chunk_keys(conn, records) if fresh else before
     kept_records: list[ChunkRecord] = []
-    seen_ids: list[int] = []
+    present_ids: list[tuple[bytes, int]] = []
     for r in records:
         chunk_id, kept = after[_ident(r)]
         if kept != r.blob_key:
@@ -166,9 +166,16 @@ def record_in(
         kept_records.append(r)
         if _ident(r) in before:
             present += 1
-            seen_ids.append(chunk_id)
+            present_ids.append((r.prefix_hash, chunk_id))
         else:
             recorded += 1
+    # A re-recorded chunk moves its last_seen_at (a GC planned before this publish
+    # then spares it) only where the batch's chains end. Every node the batch
+    # extends is spared through its child anyway (GC removes a node only with its
+    # whole subtree), so publishes that share a system prompt do not all write, and
+    # queue on, the same rows.
+    extended = {r.parent_hash for r in kept_records if r.token_start > 0}
+    seen_ids = [chunk_id for h, chunk_id in present_ids if h not in extended]
     if seen_ids:
         if conn.dialect.name == "postgresql":
             # Lock before updating, in id order: publishes re-recording the same

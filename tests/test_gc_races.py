@@ -26,6 +26,7 @@ from catalog.errors import PurgeInProgressError
 from catalog.gc import plan_gc
 from catalog.publish import record_in
 from catalog.purge import apply_gc, resume_gc
+from catalog.schema import Chunk
 from catalog.transactions import hold
 from chunkstore import ChunkStore, open_store
 from chunkstore.errors import BlobNotFoundError
@@ -135,6 +136,65 @@ def test_a_chunk_re_recorded_since_planning_is_spared(cat: Catalog) -> None:
     assert [c.prefix_hash for c in cat.lookup(NS, FP, A[:8]).chunks] == [
         r.prefix_hash for r in first
     ]
+
+
+def seen_at(cat: Catalog) -> dict[bytes, Any]:
+    with cat.engine.connect() as conn:
+        return {
+            bytes(r.prefix_hash): r.last_seen_at
+            for r in conn.execute(sa.select(Chunk.prefix_hash, Chunk.last_seen_at))
+        }
+
+
+def test_a_re_record_moves_last_seen_only_where_its_chains_end(cat: Catalog) -> None:
+    first = publish(cat, NS, A[:8])  # a1 a2
+    before = seen_at(cat)
+    a1, a2 = (r.prefix_hash for r in first)
+    cat.record_chunks(chain_records(NS, A))  # a1 a2 again, a3 new below them
+    assert {h: seen_at(cat)[h] for h in (a1, a2)} == {h: before[h] for h in (a1, a2)}
+    deadline = time.monotonic() + 10
+    while datetime.now(UTC) <= max(before.values()):
+        assert time.monotonic() < deadline, "the wall clock never moved"
+        time.sleep(0.001)
+    cat.record_chunks(first)  # a1 a2 again: a2 ends the batch
+    after = seen_at(cat)
+    assert after[a1] == before[a1] and after[a2] > before[a2]
+
+
+def test_a_plan_spares_a_whole_chain_re_recorded_through_its_end(cat: Catalog) -> None:
+    publish(cat, NS, A)  # a1 a2 a3
+    plan = plan_gc(cat, NS, max_age_s=0, max_bytes=None, now=later())
+    assert len(plan.items) == 3
+    deadline = time.monotonic() + 10
+    while datetime.now(UTC) <= max(i.last_seen_at for i in plan.items if i.last_seen_at):
+        assert time.monotonic() < deadline, "the wall clock never moved"
+        time.sleep(0.001)
+    # Only a2 moves (it ends the batch); a1 is spared as a2's parent, a3 is not asked for.
+    assert cat.record_chunks(chain_records(NS, A[:8])).already_present == 2
+    result = apply_gc(cat, plan, lambda loc, key: True)
+    assert result.skipped == 2 and result.chunks_removed == 1
+    assert len(cat.lookup(NS, FP, A).chunks) == 2
+
+
+def test_publishes_extending_a_shared_prefix_do_not_wait_for_each_other(catalog_url: str) -> None:
+    if not catalog_url.startswith("postgresql"):
+        pytest.skip("SQLite has one writer: two publish transactions cannot overlap")
+    cat = Catalog.open(catalog_url, upgrade=True)
+    try:
+        cat.ensure_namespace(NS, CS)
+        publish(cat, NS, A[:8])  # the shared system prompt
+        ours = chain_records(NS, A)
+        theirs = chain_records(NS, [*A[:8], 90, 91, 92, 93])
+        with cat.db.write() as held:
+            record_in(cat.db, held, ours, None)  # open, holding what it locked
+            with cat.db.write() as conn:
+                # Any wait for a row lock the open publish holds fails at once.
+                conn.execute(sa.text("SET LOCAL lock_timeout = '1ms'"))
+                assert record_in(cat.db, conn, theirs, None).recorded == 1
+        assert len(cat.lookup(NS, FP, A).chunks) == 3
+        assert len(cat.lookup(NS, FP, [*A[:8], 90, 91, 92, 93]).chunks) == 3
+    finally:
+        cat.close()
 
 
 def test_gc_that_waited_sees_a_child_committed_by_the_lock_holder(catalog_url: str) -> None:
