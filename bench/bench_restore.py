@@ -69,15 +69,18 @@ def median_s(fn: Callable[[], object], reps: int, before: Callable[[], object] |
 def interleaved(
     fns: dict[str, Callable[[], object]], reps: int, before: Callable[[], object] | None = None
 ) -> dict[str, float]:
-    """Median seconds of each fn, run in turn (a, b, c, a, b, c, ...) so that the machine's
-    noise falls on all of them alike; `before` runs untimed before every call."""
+    """Median seconds of each fn, run in turn (a, b, c, b, c, a, c, a, b, ...) so that the
+    machine's noise, and whatever the one before leaves behind (freed memory, cold caches),
+    falls on all of them alike; `before` runs untimed before every call."""
     for fn in fns.values():
         if before is not None:
             before()
         fn()  # warm-up
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
+    names = list(fns)
+    for rep in range(reps):
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            fn = fns[name]
             if before is not None:
                 before()
             t0 = time.perf_counter()
@@ -145,12 +148,13 @@ def floor_ops(
         arr = np.frombuffer(view, np.float16, math.prod(shape), b.offset).reshape(shape)
         dst.write_pages(pages, b.start, arr[:, :, : b.count])
 
+    tag = f", {threads} at a time"
     return {
-        "mmap+blake3+copy, hash 1 thread": lambda: list(ex.map(lambda b: mmap_hash_copy(b, 1), blobs)),
-        "mmap+blake3+copy, hash all threads": lambda: list(
+        "mmap+blake3+copy, hash 1 thread" + tag: lambda: list(ex.map(lambda b: mmap_hash_copy(b, 1), blobs)),
+        "mmap+blake3+copy, hash all threads" + tag: lambda: list(
             ex.map(lambda b: mmap_hash_copy(b, blake3.blake3.AUTO), blobs)
         ),
-        "read+blake3+copy": lambda: list(ex.map(read_hash_copy, blobs)),
+        "read+blake3+copy" + tag: lambda: list(ex.map(read_hash_copy, blobs)),
     }
 
 
@@ -215,13 +219,16 @@ def restore_section(n: int, reps: int, use_s3: bool, parallel: int, tmp: Path) -
     del payload
     alts["np.load + copy (unverified)"] = lambda: dst.write_pages(pages, 0, np.load(npy))
 
+    # Every core, and (for reads that wait on the disk) as many in flight as kvc keeps.
     floors = floor_ops(blobs, dst, pages, threads)
+    if parallel != threads:
+        floors |= floor_ops(blobs, dst, pages, parallel)
     warm = interleaved({**floors, "kvc": kvc_local, **alts}, reps)
     cold = interleaved(
         {**floors, "kvc": kvc_local}, max(3, reps // 2), lambda: drop_cache(blob_paths)
     )
     gb = kv_bytes / 1e9
-    lines = [f"{n} tokens, {gb * 1e3:,.0f} MB of KV, {len(blobs)} chunks; floors on {threads} threads, "
+    lines = [f"{n} tokens, {gb * 1e3:,.0f} MB of KV, {len(blobs)} chunks; floors on {threads} and {parallel} threads, "
              f"kvc Restorer(max_parallel={parallel})"]
 
     def table(title: str, times: dict[str, float], floor_names: Iterable[str]) -> None:
@@ -231,7 +238,7 @@ def restore_section(n: int, reps: int, use_s3: bool, parallel: int, tmp: Path) -
         for name, sec in sorted(times.items(), key=lambda kv: kv[1]):
             mark = "  <- floor" if name == floor_name else ""
             lines.append(
-                f"    {name:<40} {sec * 1e3:9.1f} ms {gb / sec:6.2f} GB/s  {floor / sec:5.2f} of floor{mark}"
+                f"    {name:<50} {sec * 1e3:9.1f} ms {gb / sec:6.2f} GB/s  {floor / sec:5.2f} of floor{mark}"
             )
 
     table("warm local (page cache holds the blobs)", warm, floors)
