@@ -62,7 +62,7 @@ class Names:
         def run() -> RefInfo:
             with self.db.write() as conn:
                 ns_id, head = self._ref_head(conn, namespace, head_hash)
-                hold(conn, {head_hash}, "that the ref would name")
+                hold(conn, [ns_id], {head_hash}, "that the ref would name")
                 if (
                     conn.execute(
                         sa.select(FingerprintRow.hex).where(FingerprintRow.hex == fp_hex)
@@ -182,7 +182,7 @@ class Names:
         def run() -> RefInfo:
             with self.db.write() as conn:
                 ns_id, head = self._ref_head(conn, namespace, new_head)
-                hold(conn, {new_head}, "that the ref would name")
+                hold(conn, [ns_id], {new_head}, "that the ref would name")
                 res = conn.execute(
                     sa.update(Ref)
                     .where(
@@ -261,7 +261,7 @@ class Names:
         def run() -> PinInfo:
             with self.db.write() as conn:
                 ns_id, _head = self._ref_head(conn, namespace, prefix_hash)
-                hold(conn, {prefix_hash}, "that the pin would name")
+                hold(conn, [ns_id], {prefix_hash}, "that the pin would name")
                 now = utcnow()
                 expires = None if ttl_s is None else now + timedelta(seconds=ttl_s)
                 values = {

@@ -57,7 +57,12 @@ def record_in(
     # Hold the nodes this batch extends or re-records before reading them: a GC
     # that marked them first makes this publish retry (PurgeInProgressError); one
     # that comes later waits for this transaction and then sees its children.
-    hold(conn, needed | set(own), "that this publish extends or re-records")
+    hold(
+        conn,
+        [ns_id for ns_id, _ in ns_ids.values()],
+        needed | set(own),
+        "that this publish extends or re-records",
+    )
     known = prefix_rows(conn, needed | set(own))
     for r in records:
         chunk_size = ns_ids[r.namespace][1]

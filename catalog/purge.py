@@ -18,6 +18,7 @@ from catalog.errors import NotFoundError
 from catalog.gc import DeleteBlob, GcItem, GcPlan, load_tree, protected_nodes
 from catalog.models import Shard
 from catalog.schema import Chunk, Event, Namespace, Pin, PrefixNode, Ref, Replica
+from catalog.transactions import exclude_holders
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,9 @@ def apply_gc(
             ns = cat.db.namespace(conn, ns_name)
             if ns is None:
                 raise NotFoundError(f"no namespace {ns_name!r}")
-            # 1. Lock the planned rows, in id order (as publishers lock theirs).
+            # 1. Wait for the publishes, ref moves and pins under way in the namespace (and
+            # keep new ones out until this commits), then lock the planned rows in id order.
+            exclude_holders(conn, ns[0])
             state: dict[int, Any] = {}
             for batch in _batches(sorted({i.chunk_id for i in items})):
                 for r in conn.execute(

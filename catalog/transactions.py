@@ -10,7 +10,8 @@ builds on; nothing outside `catalog/` uses it. It owns:
   catalog's listeners once the transaction commits;
 - `retrying(fn)`: runs `fn` (which opens its own `write()`) again on deadlocks,
   serialization failures and a busy SQLite;
-- `hold(conn, prefixes, what)`: share-lock chunk rows against a concurrent GC purge;
+- `hold(conn, namespaces, prefixes, what)` and `exclude_holders(conn, namespace)`: keep
+  a GC's mark and the transactions that name its nodes in order;
 - the namespace and fingerprint caches (filled only after a commit), `insert`
   (the dialect's INSERT, for ON CONFLICT) and `event` (one history row).
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -59,22 +60,34 @@ def _unreachable(exc: DBAPIError) -> bool:
     return exc.connection_invalidated or isinstance(exc, (OperationalError, InterfaceError))
 
 
-def hold(conn: sa.Connection, hashes: set[bytes], what: str) -> list[Any]:
-    """Lock the chunk rows of these prefix nodes and refuse if GC is purging any of them.
+# The advisory-lock class of a namespace's GC mark (PostgreSQL): "kvc".
+_GC_LOCK_CLASS = 0x6B7663
 
-    On PostgreSQL the rows are share-locked (`FOR KEY SHARE`, in id order) until
-    the transaction ends: that conflicts with GC's `FOR UPDATE` mark, so GC waits
-    for this transaction (and then sees what it added), while publishes extending
-    the same parent (a shared system prompt) do not wait for each other. SQLite's
+
+def _gc_lock_key(ns_id: int) -> Any:
+    return sa.cast((_GC_LOCK_CLASS << 32) | ns_id, sa.BigInteger)
+
+
+def hold(conn: sa.Connection, ns_ids: Iterable[int], hashes: set[bytes], what: str) -> list[Any]:
+    """Keep GC's mark out of these namespaces until the transaction ends, and refuse if GC is
+    purging any of these prefix nodes (`PurgeInProgressError`); return their chunk rows.
+
+    On PostgreSQL each namespace's advisory lock is taken shared: GC's mark takes it
+    exclusively (`exclude_holders`), so a GC waits for this transaction (and then sees
+    what it added), a transaction that comes after a GC's mark sees the chunks it
+    marked, and publishes, ref moves and pins naming the same nodes (a shared system
+    prompt) neither wait for each other nor write lock marks into those rows. SQLite's
     single writer is exclusive anyway.
     """
+    if conn.dialect.name == "postgresql":
+        for ns_id in sorted(set(ns_ids)):
+            conn.execute(sa.select(sa.func.pg_advisory_xact_lock_shared(_gc_lock_key(ns_id))))
     if not hashes:
         return []
     rows = conn.execute(
         sa.select(Chunk.id, Chunk.prefix_hash, Chunk.state)
         .where(Chunk.prefix_hash.in_(sorted(hashes)))
         .order_by(Chunk.id)
-        .with_for_update(read=True, key_share=True)
     ).all()
     purging = tuple(sorted({r.prefix_hash for r in rows if r.state == "purging"}))
     if purging:
@@ -84,6 +97,13 @@ def hold(conn: sa.Connection, hashes: set[bytes], what: str) -> list[Any]:
             purging,
         )
     return list(rows)
+
+
+def exclude_holders(conn: sa.Connection, ns_id: int) -> None:
+    """Wait for every transaction that `hold`s namespace `ns_id` to end, and keep new ones
+    waiting until this one ends (GC's mark; PostgreSQL, a no-op on SQLite)."""
+    if conn.dialect.name == "postgresql":
+        conn.execute(sa.select(sa.func.pg_advisory_xact_lock(_gc_lock_key(ns_id))))
 
 
 class Database:

@@ -212,7 +212,9 @@ def test_gc_that_waited_sees_a_child_committed_by_the_lock_holder(catalog_url: s
         )
         with cat.db.write() as conn:
             # The publish's own transaction: hold a2, start the GC, insert a3 and commit.
-            hold(conn, {a3.parent_hash}, "test")
+            ns = cat.db.namespace(conn, NS)
+            assert ns is not None
+            hold(conn, [ns[0]], {a3.parent_hash}, "test")
             gc.start()
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:
@@ -226,7 +228,7 @@ def test_gc_that_waited_sees_a_child_committed_by_the_lock_holder(catalog_url: s
                         break
                 time.sleep(0.02)
             else:
-                pytest.fail("the GC's mark never waited for the publish's row lock")
+                pytest.fail("the GC's mark never waited for the publish's hold")
             record_in(cat.db, conn, [a3], None)
         gc.join(30)
         assert not gc.is_alive()
