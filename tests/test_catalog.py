@@ -6,6 +6,7 @@ import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -271,6 +272,53 @@ def test_lookup_round_trips_are_constant(cat: Catalog) -> None:
     assert long_n <= 2 and short_n <= 2 and div_n <= 2
 
 
+def _plan_nodes(node: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield node
+    for child in node.get("Plans", ()):
+        yield from _plan_nodes(child)
+
+
+def test_a_young_catalog_reaches_sibling_chunks_by_prefix_hash(catalog_url: str) -> None:
+    """Without statistics (a new or fast-growing catalog), PostgreSQL once planned the
+    sibling probe as scans of every chunk of the fingerprint per sibling."""
+    if not catalog_url.startswith("postgresql"):
+        pytest.skip("SQLite's planner uses the identity index without statistics")
+    cat = Catalog.open(catalog_url, upgrade=True)
+    try:
+        cat.ensure_namespace("default", CS)
+        base = TOKENS[:4]
+        recs = chain_records("default", base)
+        for i in range(200):
+            recs += chain_records("default", [*base, 5, i, 7, 7], start_chunk=1)
+        cat.record_chunks(recs)
+        with cat.engine.connect() as conn:
+            assert (
+                conn.exec_driver_sql(
+                    "SELECT count(*) FROM pg_stats WHERE tablename = 'chunks'"
+                ).scalar_one()
+                == 0
+            ), "the test needs a catalog without statistics"
+        plans: list[Any] = []
+
+        @sa.event.listens_for(cat.engine, "before_cursor_execute", retval=True)
+        def explain(conn: Any, cursor: Any, statement: str, params: Any, *_: Any) -> Any:
+            if "sibling_candidates" in statement:
+                cursor.execute("EXPLAIN (ANALYZE, FORMAT JSON) " + statement, params)
+                plans.append(cursor.fetchone()[0][0]["Plan"])
+            return statement, params
+
+        m = cat.lookup("default", FP, [*base, 5, 100, 7, 0, 0])
+        sa.event.remove(cat.engine, "before_cursor_execute", explain)
+        assert m.matched_tokens == 7 and len(plans) == 1
+        scans = [n for n in _plan_nodes(plans[0]) if n.get("Relation Name") == "chunks"]
+        assert scans
+        for n in scans:
+            assert "prefix_hash" in n.get("Index Cond", ""), n
+            assert n.get("Actual Rows", 0) <= 4, n  # at most four candidates
+    finally:
+        cat.close()
+
+
 @pytest.mark.slow
 def test_ten_thousand_siblings(cat: Catalog) -> None:
     base = TOKENS[:4]
@@ -504,7 +552,10 @@ def test_mark_replica_hides_it_from_lookup_and_records_why(cat: Catalog) -> None
     assert cat.mark_replica(key, "file:///store", "corrupt", reason="digest mismatch", actor="w1")
     assert cat.lookup("default", FP, TOKENS).matched_tokens == 0
     ev = cat.events(kind="replica.corrupt")
-    assert len(ev) == 1 and ev[0].details == {"location": "file:///store", "reason": "digest mismatch"}
+    assert len(ev) == 1 and ev[0].details == {
+        "location": "file:///store",
+        "reason": "digest mismatch",
+    }
     assert not cat.mark_replica(key, "file:///elsewhere", "missing", reason="x")
     with pytest.raises(CatalogError, match="unknown replica state"):
         cat.mark_replica(key, "file:///store", "gone", reason="x")
@@ -527,8 +578,11 @@ def test_siblings_agreeing_beyond_the_indexed_head(cat: Catalog) -> None:
 
 
 def test_stats_and_placements(cat: Catalog) -> None:
-    recs = chain_records("default", TOKENS, receipts=[receipt("file:///l", "local"),
-                                                      receipt("worker:w1", "resident", worker="w1")])
+    recs = chain_records(
+        "default",
+        TOKENS,
+        receipts=[receipt("file:///l", "local"), receipt("worker:w1", "resident", worker="w1")],
+    )
     cat.record_chunks(recs)
     publish(cat, "other", TOKENS[:4])
     st = cat.stats("default")
