@@ -60,7 +60,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from catalog import AttentionLayout, Fingerprint, chain_root, prefix_hashes
+from bench.bench_restore import FP, LAYOUT, kv_like  # the same KV as the restore bench
+from catalog import chain_root, prefix_hashes
 from catalog.catalog import Catalog
 from chunkstore import open_store
 from chunkstore.record import FORMAT_VERSION, MAGIC, PAYLOAD_ALIGNMENT, ChunkHeader, decode_chunk
@@ -68,21 +69,10 @@ from restore.checkpoint import Checkpointer
 from restore.pages import copy_out_into
 from restore.pool import PagePool
 
-LAYOUT = AttentionLayout(28, 4, 128, "float16")
-FP = Fingerprint.create(weights="bench-7b-like", architecture="llama", config={}, attention_layout=LAYOUT)
 PAGE = 16
 CHUNK = 256
 NAMESPACE = "default"
 WORKERS = os.cpu_count() or 1
-
-
-def kv_like(n: int, seed: int = 0) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-    rng = np.random.default_rng(seed)
-    shape = (LAYOUT.num_layers, n, LAYOUT.num_kv_heads, LAYOUT.head_dim)
-    scale = rng.uniform(0.05, 4.0, size=(LAYOUT.num_layers, 1, LAYOUT.num_kv_heads, 1))
-    k = (rng.standard_normal(shape, dtype=np.float32) * scale).astype(np.float16)
-    v = (rng.standard_normal(shape, dtype=np.float32) * scale).astype(np.float16)
-    return k, v
 
 
 def fsync_dir(path: Path) -> None:

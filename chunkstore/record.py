@@ -465,25 +465,20 @@ def encode_chunk(
     if not isinstance(codec, str):
         raise ValueError(f"codec must be a str, got {type(codec).__name__}")
     arr, dtype_name = _arg_kv(kv, dtype)
-    header = ChunkHeader(
-        fingerprint=fingerprint,
-        namespace=namespace,
-        prefix_hash=_arg_hash("prefix_hash", prefix_hash),
-        parent_hash=_arg_hash("parent_hash", parent_hash),
-        token_start=_arg_int("token_start", token_start),
-        tokens=_arg_tokens(tokens),
-        layers=_arg_range("layers", layers, (0, arr.shape[0])),
-        kv_heads=_arg_range("kv_heads", kv_heads, (0, arr.shape[3])),
-        dtype=dtype_name,
-        shape=tuple(int(n) for n in arr.shape),
-        codec=codec,
-        # Placeholders that pass validation, so every argument is checked
-        # before the costly hashing and compression.
-        payload_blake3="0" * 64,
-        stored_blake3="0" * 64,
-        payload_size=math.prod(arr.shape) * arr.dtype.itemsize,
+    header = _draft_header(
+        fingerprint,
+        namespace,
+        prefix_hash,
+        parent_hash,
+        token_start,
+        tokens,
+        layers,
+        kv_heads,
+        dtype_name,
+        tuple(int(n) for n in arr.shape),
+        codec,
+        math.prod(arr.shape) * arr.dtype.itemsize,
     )
-    _check_header(header, ValueError)
     check_finite(arr, dtype_name)
 
     payload_blake3 = blake3_hex(arr.data)
@@ -498,18 +493,61 @@ def encode_chunk(
         payload_size=memoryview(payload).nbytes,
     )
     _check_header(header, ValueError)
-    header_bytes = header.to_json()
-    if len(header_bytes) > MAX_HEADER_BYTES:
-        raise ValueError(
-            f"header is {len(header_bytes)} bytes, over the {MAX_HEADER_BYTES}-byte limit "
-            "(too many tokens or too long a namespace)"
-        )
+    header_bytes = _header_json(header)
     fixed = struct.pack("<4sHHI", MAGIC, FORMAT_VERSION, 0, len(header_bytes))
     digest = blake3.blake3(fixed + header_bytes).digest()
     end = _PREAMBLE.size + len(header_bytes)
     padding = bytes(-end % PAYLOAD_ALIGNMENT)
     data = b"".join((fixed, digest, header_bytes, padding, payload))
     return EncodedChunk(key=blake3_hex(data), data=data, header=header)
+
+
+def _draft_header(
+    fingerprint: str,
+    namespace: str,
+    prefix_hash: bytes,
+    parent_hash: bytes,
+    token_start: int,
+    tokens: Sequence[int] | np.ndarray,
+    layers: tuple[int, int] | None,
+    kv_heads: tuple[int, int] | None,
+    dtype: str,
+    shape: tuple[int, ...],
+    codec: str,
+    payload_size: int,
+) -> ChunkHeader:
+    """A checked header for a record still to be hashed: every argument is validated
+    (`ValueError` naming it) before any KV is hashed, compressed or copied; the digests
+    are fixed-width placeholders, so the header already has its final length."""
+    header = ChunkHeader(
+        fingerprint=fingerprint,
+        namespace=namespace,
+        prefix_hash=_arg_hash("prefix_hash", prefix_hash),
+        parent_hash=_arg_hash("parent_hash", parent_hash),
+        token_start=_arg_int("token_start", token_start),
+        tokens=_arg_tokens(tokens),
+        layers=_arg_range("layers", layers, (0, shape[0])),
+        kv_heads=_arg_range("kv_heads", kv_heads, (0, shape[3])),
+        dtype=dtype,
+        shape=shape,
+        codec=codec,
+        payload_blake3="0" * 64,
+        stored_blake3="0" * 64,
+        payload_size=payload_size,
+    )
+    _check_header(header, ValueError)
+    return header
+
+
+def _header_json(header: ChunkHeader) -> bytes:
+    """The header's canonical JSON; `ValueError` when it is over the format's limit."""
+    data = header.to_json()
+    if len(data) > MAX_HEADER_BYTES:
+        raise ValueError(
+            f"header is {len(data)} bytes, over the {MAX_HEADER_BYTES}-byte limit "
+            "(too many tokens or too long a namespace)"
+        )
+    return data
 
 
 class RawRecord:
@@ -550,29 +588,21 @@ class RawRecord:
             raise ValueError(f"kv must have 5 dimensions [L, 2, T, H, D], got shape {dims}")
         raw_size = math.prod(dims) * DTYPES[dtype].itemsize
         # Digests are fixed-width hex, so the placeholders give the final header length.
-        header = ChunkHeader(
-            fingerprint=fingerprint,
-            namespace=namespace,
-            prefix_hash=_arg_hash("prefix_hash", prefix_hash),
-            parent_hash=_arg_hash("parent_hash", parent_hash),
-            token_start=_arg_int("token_start", token_start),
-            tokens=_arg_tokens(tokens),
-            layers=_arg_range("layers", layers, (0, dims[0])),
-            kv_heads=_arg_range("kv_heads", kv_heads, (0, dims[3])),
-            dtype=dtype,
-            shape=dims,
-            codec="raw",
-            payload_blake3="0" * 64,
-            stored_blake3="0" * 64,
-            payload_size=raw_size,
+        header = _draft_header(
+            fingerprint,
+            namespace,
+            prefix_hash,
+            parent_hash,
+            token_start,
+            tokens,
+            layers,
+            kv_heads,
+            dtype,
+            dims,
+            "raw",
+            raw_size,
         )
-        _check_header(header, ValueError)
-        header_len = len(header.to_json())
-        if header_len > MAX_HEADER_BYTES:
-            raise ValueError(
-                f"header is {header_len} bytes, over the {MAX_HEADER_BYTES}-byte limit "
-                "(too many tokens or too long a namespace)"
-            )
+        header_len = len(_header_json(header))
         self._header = header
         self._header_len = header_len
         end = _PREAMBLE.size + header_len

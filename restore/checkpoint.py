@@ -72,7 +72,9 @@ class _ChunkJob:
     hash_threads: int
 
 
-def finish_record(rec: RawRecord, buf: bytearray, threads: int) -> tuple[str, memoryview, ChunkHeader]:
+def finish_record(
+    rec: RawRecord, buf: bytearray, threads: int
+) -> tuple[str, memoryview, ChunkHeader]:
     """Hash a filled record in place and write its header (a seam the crash tests park in)."""
     return rec.finish(buf, threads=threads)
 
@@ -380,20 +382,20 @@ class Checkpointer:
         shape = (lay.num_layers, 2, end - start, lay.num_kv_heads, lay.head_dim)
         done: Callable[[], None] = _nothing
         t = time.perf_counter()
+        identity: dict[str, Any] = {
+            "fingerprint": fp.hex,
+            "namespace": self.namespace,
+            "prefix_hash": h,
+            "parent_hash": parent,
+            "token_start": start,
+            "tokens": tokens,
+            "dtype": fp.layout.dtype,
+            "layers": (shard.layer_lo, shard.layer_hi),
+            "kv_heads": (shard.head_lo, shard.head_hi),
+        }
         if self.codec == "raw":
             # One copy of the KV: snapshot -> the record's payload, hashed and written in place.
-            rec = RawRecord(
-                fingerprint=fp.hex,
-                namespace=self.namespace,
-                prefix_hash=h,
-                parent_hash=parent,
-                token_start=start,
-                tokens=tokens,
-                shape=shape,
-                dtype=fp.layout.dtype,
-                layers=(shard.layer_lo, shard.layer_hi),
-                kv_heads=(shard.head_lo, shard.head_hi),
-            )
+            rec = RawRecord(**identity, shape=shape)
             buf = self._buffers.acquire(rec)
             done = functools.partial(self._buffers.release, buf)
             try:
@@ -408,19 +410,7 @@ class Checkpointer:
             kv = job.snapshot.read_kv(start, end)  # compressing makes its own copy anyway
             timing["capture"] = time.perf_counter() - t
             t = time.perf_counter()
-            enc = encode_chunk(
-                fingerprint=fp.hex,
-                namespace=self.namespace,
-                prefix_hash=h,
-                parent_hash=parent,
-                token_start=start,
-                tokens=tokens,
-                kv=kv,
-                layers=(shard.layer_lo, shard.layer_hi),
-                kv_heads=(shard.head_lo, shard.head_hi),
-                dtype=fp.layout.dtype,
-                codec=self.codec,
-            )
+            enc = encode_chunk(**identity, kv=kv, codec=self.codec)
             key, data, header = enc.key, memoryview(enc.data), enc.header
         timing["encode"] = time.perf_counter() - t
         # Room for the upload is taken before the local put, so an explicit
