@@ -219,16 +219,17 @@ def restore_section(n: int, reps: int, use_s3: bool, parallel: int, tmp: Path) -
     del payload
     alts["np.load + copy (unverified)"] = lambda: dst.write_pages(pages, 0, np.load(npy))
 
-    # Every core, and (for reads that wait on the disk) as many in flight as kvc keeps.
-    floors = floor_ops(blobs, dst, pages, threads)
-    if parallel != threads:
-        floors |= floor_ops(blobs, dst, pages, parallel)
+    # Every core, twice as many in flight (for reads that wait on the disk), and as many as kvc keeps.
+    widths = sorted({threads, 2 * threads, parallel})
+    floors: dict[str, Callable[[], object]] = {}
+    for width in widths:
+        floors |= floor_ops(blobs, dst, pages, width)
     warm = interleaved({**floors, "kvc": kvc_local, **alts}, reps)
     cold = interleaved(
         {**floors, "kvc": kvc_local}, max(3, reps // 2), lambda: drop_cache(blob_paths)
     )
     gb = kv_bytes / 1e9
-    lines = [f"{n} tokens, {gb * 1e3:,.0f} MB of KV, {len(blobs)} chunks; floors on {threads} and {parallel} threads, "
+    lines = [f"{n} tokens, {gb * 1e3:,.0f} MB of KV, {len(blobs)} chunks; floors on {' and '.join(map(str, widths))} threads, "
              f"kvc Restorer(max_parallel={parallel})"]
 
     def table(title: str, times: dict[str, float], floor_names: Iterable[str]) -> None:
@@ -260,7 +261,9 @@ def restore_section(n: int, reps: int, use_s3: bool, parallel: int, tmp: Path) -
                 cat.record_replica(c.blob_key, to_replica_receipt(rcpt, "object"))
             bucket = s3.bucket  # type: ignore[attr-defined]
             keys = [s3.object_key(c.blob_key) for c in match.chunks]  # type: ignore[attr-defined]
-            gets = ThreadPoolExecutor(parallel)
+            # As many GETs in flight as kvc keeps chunks, as kvc's store keeps ranged GETs, and
+            # the local floors' widths: the fastest is the floor.
+            s3_widths = sorted({*widths, s3.max_concurrency})  # type: ignore[attr-defined]
             # The fastest plain boto3: no response checksum to compute (kvc's ranged GETs get
             # none either; it verifies blake3 instead), a connection per thread.
             client = boto3.client(
@@ -268,16 +271,21 @@ def restore_section(n: int, reps: int, use_s3: bool, parallel: int, tmp: Path) -
                 endpoint_url=srv.endpoint_url,
                 region_name=srv.region,
                 config=botocore.config.Config(
-                    response_checksum_validation="when_required", max_pool_connections=2 * parallel
+                    response_checksum_validation="when_required", max_pool_connections=max(s3_widths)
                 ),
             )
 
-            def raw_gets() -> None:
-                list(gets.map(lambda x: client.get_object(Bucket=bucket, Key=x)["Body"].read(), keys))
+            def raw_gets(width: int) -> Callable[[], None]:
+                gets = ThreadPoolExecutor(width)
 
-            floor_name = f"raw GETs, {parallel} at a time, no verify"
-            s3_times = interleaved({floor_name: raw_gets, "kvc": kvc_restore([s3])}, max(3, reps // 2))
-            table("S3 (SeaweedFS on loopback)", s3_times, [floor_name])
+                def run() -> None:
+                    list(gets.map(lambda x: client.get_object(Bucket=bucket, Key=x)["Body"].read(), keys))
+
+                return run
+
+            s3_floors = {f"raw GETs, {w} at a time, no verify": raw_gets(w) for w in s3_widths}
+            s3_times = interleaved({**s3_floors, "kvc": kvc_restore([s3])}, max(3, reps // 2))
+            table("S3 (SeaweedFS on loopback)", s3_times, s3_floors)
             s3.close()
     cat.close()
     return lines

@@ -49,7 +49,7 @@ class HFAdapter:
         weights_id: str | None = None,
         shard: Shard | None = None,
         codec: str = DEFAULT_CODEC,
-        max_parallel: int = 4,
+        max_parallel: int = Restorer.DEFAULT_PARALLEL,
         byte_budget: int = 256 << 20,
         actor: str | None = None,
         write_behind_bytes: int = DEFAULT_WRITE_BEHIND_BYTES,
