@@ -24,7 +24,7 @@ DTYPES: dict[torch.dtype, DType] = {
 # token ids and output switches. Everything else is part of the fingerprint, so
 # a field this list does not know costs at most a cache miss, never a wrong hit.
 # (The model's dtype is in the execution variant as the KV dtype.)
-_NOT_NUMERIC = frozenset(
+NOT_NUMERIC = frozenset(
     {
         "_name_or_path",
         "_commit_hash",
@@ -173,7 +173,7 @@ def model_fingerprint(model: PreTrainedModel, *, weights_id: str | None = None) 
     """
     check_supported(model)
     config = text_config(model).to_dict()
-    config = {k: v for k, v in config.items() if k not in _NOT_NUMERIC}
+    config = {k: v for k, v in config.items() if k not in NOT_NUMERIC}
     if weights_id is not None:
         if not isinstance(weights_id, str) or not weights_id.strip():
             raise InputError("weights_id must be a non-empty string (an immutable revision id)")
@@ -183,18 +183,18 @@ def model_fingerprint(model: PreTrainedModel, *, weights_id: str | None = None) 
     return Fingerprint.create(
         weights=weights,
         architecture=type(model).__name__,
-        config=_json_safe(config),
+        config=json_safe(config),
         attention_layout=model_layout(model),
         execution_variant=execution_variant(model),
     )
 
 
-def _json_safe(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
     """Config values as JSON data (dtypes and other objects by their string)."""
     if isinstance(value, dict):
-        return {str(k): _json_safe(v) for k, v in value.items()}
+        return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     if value is None or isinstance(value, bool | int | float | str):
         return value
     return str(value)

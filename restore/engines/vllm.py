@@ -1,0 +1,532 @@
+"""kvc as a vLLM v1 KV connector: prefixes restored, verified, from kvc's stores into vLLM's blocks, and saved when a request finishes.
+
+Loaded out of tree::
+
+    KVTransferConfig(
+        kv_connector="KvcConnector",
+        kv_connector_module_path="restore.engines.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={"catalog": "sqlite:///kvc/catalog.db",
+                                   "stores": ["file:///kvc/blobs"], "namespace": "default"},
+    )
+
+Scheduler side: `get_num_new_matched_tokens` looks the prompt up in the catalog
+and offers vLLM the longest stored prefix beyond what it has computed, in whole
+vLLM blocks and never the last prompt token. The loads and the saves of a step
+travel to the workers in `KvcConnectorMetadata`.
+
+Worker side: a load is a kvc restore into the request's blocks (every chunk
+verified; positions vLLM already holds are not written); the blocks of
+positions that could not be restored are reported by
+`get_block_ids_with_load_errors`, and vLLM recomputes them. A save is a
+background checkpoint of the finished request's computed positions read
+straight from its blocks; vLLM frees the blocks once `get_finished` reports
+the read done. Prefix identity is kvc's chain hash over token ids, the same in
+every process: vLLM's block boundaries are mapped onto kvc chunks here.
+
+The per-layer KV tensors are read as vLLM lays them out, checked against the
+model's block size, kv heads and head size: `[blocks, kv heads, block size,
+2 * head size]` with K and V packed in the last dimension (vLLM >= 0.33's
+standard view); any other shape is refused with an error naming it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import blake3
+import numpy as np
+import torch
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from catalog import AttentionLayout, Fingerprint
+from catalog.base import CatalogAPI
+from catalog.catalog import Catalog
+from catalog.identity import canonical_json
+from catalog.models import Shard
+from chunkstore import open_store
+from restore.checkpoint import Checkpointer
+from restore.engines.hf.cache import numpy_view
+from restore.engines.hf.identity import DTYPES, NOT_NUMERIC, json_safe, torch_dtype
+from restore.errors import InputError, UnsupportedModelError
+from restore.restore import Restorer
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["KvcConnector", "KvcConnectorMetadata", "vllm_fingerprint"]
+
+log = logging.getLogger(__name__)
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Restore positions `[start, end)` into `block_ids` (the request's table); `token_ids` are the
+    prompt's first `end + 1` (a kvc lookup restores at most all but the last token it is given)."""
+
+    req_id: str
+    token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Checkpoint positions `[0, len(token_ids))`, held in `block_ids`, of a finished request."""
+
+    req_id: str
+    token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class KvcConnectorMetadata(KVConnectorMetadata):
+    """What the workers do this step: restores before the forward, saves after it."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+def _config_get(extra: dict[str, Any], key: str, default: Any = None) -> Any:
+    value = extra.get(key, default)
+    if value is None:
+        raise InputError(f"kv_connector_extra_config needs {key!r}")
+    return value
+
+
+def vllm_layout(vllm_config: VllmConfig) -> AttentionLayout:
+    """The K/V one token occupies in the whole model (all ranks), or `UnsupportedModelError`."""
+    model = vllm_config.model_config
+    name = model.model
+    if getattr(model, "use_mla", False):
+        raise UnsupportedModelError(f"{name} uses MLA (a latent KV): kvc stores K and V per head")
+    if vllm_config.parallel_config.pipeline_parallel_size != 1:
+        raise UnsupportedModelError("pipeline parallelism is not supported by the kvc connector")
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    dtype = model.dtype if cache_dtype in (None, "auto") else cache_dtype
+    if dtype not in DTYPES:
+        raise UnsupportedModelError(
+            f"KV cache dtype {dtype}: kvc stores float32, float16 and bfloat16 KV exactly "
+            "(quantized KV caches are refused)"
+        )
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    heads = model.get_total_num_kv_heads()
+    if heads % tp:
+        raise UnsupportedModelError(
+            f"{heads} kv heads do not split evenly over {tp} tensor-parallel ranks "
+            "(replicated kv heads are not supported)"
+        )
+    layers = model.get_num_layers(vllm_config.parallel_config)
+    return AttentionLayout(layers, heads, model.get_head_size(), DTYPES[dtype])
+
+
+def rank_shard(layout: AttentionLayout, rank: int, world: int) -> Shard:
+    """The kv heads tensor-parallel rank `rank` of `world` holds, as a kvc shard."""
+    per = layout.num_kv_heads // world
+    return Shard(0, layout.num_layers, rank * per, (rank + 1) * per)
+
+
+def weights_identity(model_path: str, revision: str | None, weights_id: str | None) -> str:
+    """`revision:<weights_id>` when the user vouches for one; else blake3 over a local model
+    directory's weight files (names and bytes, in name order). A hub name without a
+    `weights_id` is refused: a name alone does not pin the numbers."""
+    if weights_id is not None:
+        if not isinstance(weights_id, str) or not weights_id.strip():
+            raise InputError("weights_id must be a non-empty string (an immutable revision id)")
+        return f"revision:{weights_id}"
+    root = Path(model_path)
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
+    if not root.is_dir() or not files:
+        pinned = f" at revision {revision}" if revision else ""
+        raise InputError(
+            f"model {model_path!r}{pinned} is not a local directory with weight files: give "
+            "kv_connector_extra_config a 'weights_id' (an immutable revision id) that names "
+            "these exact weights"
+        )
+    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    for path in files:
+        h.update(canonical_json([str(path.relative_to(root)), path.stat().st_size]))
+        with path.open("rb") as f:
+            while chunk := f.read(64 << 20):
+                h.update(chunk)
+    return f"blake3:{h.hexdigest()}"
+
+
+def vllm_fingerprint(vllm_config: VllmConfig, weights_id: str | None = None) -> Fingerprint:
+    """The fingerprint of the model vLLM serves: weights, architecture, the numeric config, the
+    layout, and how vLLM runs it (vLLM and torch versions, dtypes, attention backend, device)."""
+    model = vllm_config.model_config
+    layout = vllm_layout(vllm_config)
+    config = model.hf_text_config.to_dict()
+    config = {k: v for k, v in config.items() if k not in NOT_NUMERIC}
+    attention = getattr(vllm_config, "attention_config", None)
+    backend = getattr(attention, "backend", None)
+    variant = {
+        "engine": "vllm",
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "kv": layout.dtype,
+        "attn": str(backend) if backend is not None else "auto",
+        "device": vllm_config.device_config.device_type,
+        "tp": vllm_config.parallel_config.tensor_parallel_size,
+    }
+    return Fingerprint.create(
+        weights=weights_identity(model.model, model.revision, weights_id),
+        architecture=",".join(model.architectures or []) or type(model.hf_config).__name__,
+        config=json_safe(config),
+        attention_layout=layout,
+        execution_variant=";".join(f"{k}={v}" for k, v in sorted(variant.items())),
+    )
+
+
+class BlockTable:
+    """One request's blocks of vLLM's per-layer KV tensors as kvc's two seams: the `Destination`
+    a restore writes (positions before `start` left alone) and the `KVSnapshot` a save reads."""
+
+    def __init__(
+        self,
+        layers: list[torch.Tensor],
+        layout: AttentionLayout,
+        block_size: int,
+        block_ids: Iterable[int],
+        *,
+        start: int = 0,
+        length: int = 0,
+    ) -> None:
+        self._layers = layers  # each [blocks, 2, block size, heads, head size] (a view)
+        self._layout = layout
+        self._block_size = block_size
+        self._blocks = list(block_ids)
+        self._start = start
+        self._length = length
+        self.restored = 0
+
+    @property
+    def layout(self) -> AttentionLayout:
+        return self._layout
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def _spans(self, start: int, end: int) -> Iterable[tuple[int, int, int, int]]:
+        """(block id, offset in the block, count, offset from `start`) covering `[start, end)`."""
+        p = start
+        while p < end:
+            idx, off = divmod(p, self._block_size)
+            take = min(self._block_size - off, end - p)
+            yield self._blocks[idx], off, take, p - start
+            p += take
+
+    # Destination
+    def reserve(self, tokens: int) -> None:
+        if math.ceil(tokens / self._block_size) > len(self._blocks):
+            raise InputError(
+                f"{tokens} positions need {math.ceil(tokens / self._block_size)} blocks of "
+                f"{self._block_size}; the request holds {len(self._blocks)}"
+            )
+
+    def write(self, kv: np.ndarray[Any, Any], start: int, count: int) -> None:
+        lo = max(start, self._start)
+        if lo >= start + count:
+            return  # vLLM computed these positions itself
+        part: np.ndarray[Any, Any] | torch.Tensor = kv[:, :, lo - start : count]
+        layers: list[Any]  # numpy views of CPU tensors, or the device tensors
+        if self._layers[0].device.type == "cpu":
+            layers = [numpy_view(t) for t in self._layers]  # the one copy, from the blob
+        else:  # staged once in pinned memory, then block by block on the device
+            staged = torch.empty(part.shape, dtype=torch_dtype(self._layout.dtype), pin_memory=True)
+            numpy_view(staged)[...] = part
+            part = staged.to(self._layers[0].device, non_blocking=True)
+            layers = self._layers
+        for block, off, take, s in self._spans(lo, start + count):
+            for layer, dst in enumerate(layers):
+                dst[block, :, off : off + take] = part[layer, :, s : s + take]
+
+    def commit(self, tokens: int) -> None:
+        self.restored = tokens
+
+    def abort(self) -> None:
+        self.restored = 0
+
+    # KVSnapshot
+    def read_kv(self, start: int, end: int) -> np.ndarray[Any, Any]:
+        out = torch.empty(
+            (len(self._layers), 2, end - start, self._layout.num_kv_heads, self._layout.head_dim),
+            dtype=torch_dtype(self._layout.dtype),
+        )
+        for block, off, take, s in self._spans(start, end):
+            for layer, src in enumerate(self._layers):
+                out[layer, :, s : s + take].copy_(src[block, :, off : off + take])
+        return numpy_view(out)
+
+    def blocks_from(self, position: int, end: int) -> set[int]:
+        """The blocks holding positions `[position, end)`."""
+        return {block for block, _off, _take, _s in self._spans(position, end)}
+
+
+def layer_views(
+    kv_caches: dict[str, torch.Tensor], layer_names: list[str], shard_layout: AttentionLayout, block_size: int
+) -> list[torch.Tensor]:
+    """vLLM's per-layer tensors, in layer order, as `[blocks, 2, block size, heads, head size]` views.
+
+    vLLM's standard view is `[blocks, kv heads, block size, 2 * head size]`, K then V in the
+    last dimension (vllm/v1/worker/utils.py); any other shape is refused.
+    """
+    heads, dim = shard_layout.num_kv_heads, shard_layout.head_dim
+    views = []
+    for name in layer_names:
+        t = kv_caches[name]
+        shape = tuple(t.shape)
+        if len(shape) != 4 or shape[1:] != (heads, block_size, 2 * dim):
+            raise UnsupportedModelError(
+                f"vLLM's KV cache for layer {name} is shaped {shape}; the kvc connector reads "
+                f"[blocks, {heads} kv heads, {block_size} block size, {2 * dim} (K and V packed)]"
+            )
+        if t.dtype != torch_dtype(shard_layout.dtype):
+            raise UnsupportedModelError(
+                f"vLLM's KV cache for layer {name} is {t.dtype}; the model's KV is {shard_layout.dtype}"
+            )
+        views.append(t.view(shape[0], heads, block_size, 2, dim).permute(0, 3, 2, 1, 4))
+    return views
+
+
+class KvcConnector(KVConnectorBase_V1):
+    """kvc's vLLM v1 KV connector (see the module docstring)."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra: dict[str, Any] = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self._block_size: int = vllm_config.cache_config.block_size
+        self._namespace: str = extra.get("namespace", "default")
+        chunk_size = int(extra.get("chunk_size", 256))
+        stores = _config_get(extra, "stores")
+        if isinstance(stores, str) or not stores:
+            raise InputError("kv_connector_extra_config 'stores' must be a non-empty list of store URLs")
+        if len(kv_cache_config.kv_cache_groups) != 1:
+            raise UnsupportedModelError(
+                f"the model has {len(kv_cache_config.kv_cache_groups)} KV cache groups "
+                "(sliding-window, hybrid or linear-attention layers): the kvc connector supports "
+                "models whose layers are all full attention"
+            )
+        self.layout = vllm_layout(vllm_config)
+        self.fingerprint = vllm_fingerprint(vllm_config, extra.get("weights_id"))
+        world = vllm_config.parallel_config.tensor_parallel_size
+        rank = vllm_config.parallel_config.rank if role == KVConnectorRole.WORKER else 0
+        self.shard = rank_shard(self.layout, rank % world, world)
+        self.catalog: CatalogAPI = Catalog.open(str(_config_get(extra, "catalog")))
+        self._stores = [open_store(str(url)) for url in stores]
+        # Scheduler state.
+        self._offered: dict[str, tuple[int, int]] = {}  # req id -> (computed, end) offered
+        self._loads: dict[str, tuple[int, int]] = {}  # req id -> (start, end) after alloc
+        self._saves: list[SaveSpec] = []
+        # Worker state.
+        self._layers: list[torch.Tensor] = []
+        self._load_errors: set[int] = set()
+        self._saved: set[str] = set()
+        self._lock = threading.Lock()
+        self.restorer: Restorer | None = None
+        self.checkpointer: Checkpointer | None = None
+        if role == KVConnectorRole.WORKER:
+            self.restorer = Restorer(self.catalog, self._stores, self._namespace, shard=self.shard)
+            self.checkpointer = Checkpointer(
+                self.catalog, self._stores[0], self._namespace, chunk_size, shard=self.shard
+            )
+
+    # ---- scheduler side ------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        tokens = request.prompt_token_ids or []
+        limit = len(tokens) - 1  # vLLM computes at least the last prompt token
+        if limit < self._block_size:
+            return 0, False
+        try:
+            match = self.catalog.lookup(
+                self._namespace, self.fingerprint.hex, tokens, shard=self.shard, max_tokens=limit
+            )
+        except Exception as exc:  # the catalog unreachable is a miss, never a failed request
+            log.warning("kvc lookup for request %s failed: %s", request.request_id, exc)
+            return 0, False
+        end = min(match.matched_tokens, limit) // self._block_size * self._block_size
+        if end <= num_computed_tokens:
+            return 0, False
+        self._offered[request.request_id] = (num_computed_tokens, end)
+        return end - num_computed_tokens, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        offered = self._offered.pop(request.request_id, None)
+        if num_external_tokens > 0 and offered is not None:
+            computed, _end = offered
+            self._loads[request.request_id] = (computed, computed + num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvcConnectorMetadata:
+        meta = KvcConnectorMetadata(saves=self._saves)
+        self._saves = []
+        for new in scheduler_output.scheduled_new_reqs:
+            span = self._loads.pop(new.req_id, None)
+            if span is None:
+                continue
+            start, end = span
+            meta.loads.append(
+                LoadSpec(
+                    new.req_id,
+                    tuple((new.prompt_token_ids or [])[: end + 1]),
+                    tuple(new.block_ids[0]),
+                    start,
+                    end,
+                )
+            )
+        return meta
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Save the request's computed positions (whole vLLM blocks) unless the catalog has them;
+        the blocks stay allocated until a worker reports the save has read them."""
+        self._offered.pop(request.request_id, None)
+        self._loads.pop(request.request_id, None)
+        tokens = list(request.all_token_ids)
+        n = min(request.num_computed_tokens, len(tokens)) // self._block_size * self._block_size
+        if n == 0:
+            return False, None
+        try:
+            stored = self.catalog.lookup(
+                self._namespace, self.fingerprint.hex, tokens[: n + 1], shard=self.shard, max_tokens=n
+            ).matched_tokens
+        except Exception as exc:
+            log.warning("kvc lookup for request %s failed: %s", request.request_id, exc)
+            return False, None
+        if stored >= n:
+            return False, None
+        self._saves.append(
+            SaveSpec(request.request_id, tuple(tokens[:n]), tuple(block_ids[: n // self._block_size]))
+        )
+        return True, None
+
+    # ---- worker side ---------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = sorted(kv_caches, key=_layer_index)
+        if len(names) != self.layout.num_layers:
+            raise UnsupportedModelError(
+                f"vLLM registered {len(names)} KV cache layers for a model of "
+                f"{self.layout.num_layers} layers"
+            )
+        shard_layout = AttentionLayout(
+            self.layout.num_layers,
+            self.shard.head_hi - self.shard.head_lo,
+            self.layout.head_dim,
+            self.layout.dtype,
+        )
+        self._shard_layout = shard_layout
+        self._layers = layer_views(kv_caches, names, shard_layout, self._block_size)
+
+    def _table(self, block_ids: Iterable[int], *, start: int = 0, length: int = 0) -> BlockTable:
+        if not self._layers:
+            raise InputError("register_kv_caches must run before loads and saves")
+        return BlockTable(
+            self._layers, self._shard_layout, self._block_size, block_ids, start=start, length=length
+        )
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvcConnectorMetadata)
+        assert self.restorer is not None
+        for load in meta.loads:
+            table = self._table(load.block_ids, start=load.start)
+            try:
+                self.restorer.restore_into(
+                    table, list(load.token_ids), self.fingerprint, self.shard, max_tokens=load.end
+                )
+            except Exception as exc:  # any failure: vLLM recomputes, never reads unverified KV
+                log.warning("kvc restore for request %s failed: %s", load.req_id, exc)
+                table.restored = 0
+            if table.restored < load.end:
+                missing = table.blocks_from(max(table.restored, load.start), load.end)
+                with self._lock:
+                    self._load_errors |= missing
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv finishes every load before the forward
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # saves read the finished request's blocks (wait_for_save)
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvcConnectorMetadata)
+        assert self.checkpointer is not None
+        for save in meta.saves:
+            table = self._table(save.block_ids, length=len(save.token_ids))
+            try:
+                self.checkpointer.submit_snapshot(
+                    table,
+                    list(save.token_ids),
+                    self.fingerprint,
+                    release=functools.partial(self._mark_saved, save.req_id),
+                )
+            except Exception as exc:  # a refused save is a future miss
+                log.warning("kvc save of request %s refused: %s", save.req_id, exc)
+
+    def _mark_saved(self, req_id: str) -> None:
+        with self._lock:
+            self._saved.add(req_id)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        with self._lock:
+            done, self._saved = self._saved, set()
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        if self.restorer is not None:
+            self.restorer.close()
+        for store in self._stores:
+            store.close()
+        close = getattr(self.catalog, "close", None)
+        if close is not None:
+            close()
+
+
+def _layer_index(name: str) -> int:
+    """The layer number in a vLLM layer name (`model.layers.12.self_attn.attn` -> 12)."""
+    numbers = [int(part) for part in name.split(".") if part.isdigit()]
+    if len(numbers) != 1:
+        raise UnsupportedModelError(f"cannot tell the layer index of vLLM layer {name!r}")
+    return numbers[0]
+
