@@ -48,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx
 
 from catalog import Catalog
-from kvc.remote import RemoteCatalog
-from kvc.wire import MatchModel
+from catalog.remote import RemoteCatalog
+from catalog.wire import MatchModel
 from tests.catalog_helpers import CS, FP, chain_records
 
 TOKEN = "load-test-token"

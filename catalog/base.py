@@ -1,7 +1,7 @@
 """The catalog seam: what the restore side, the daemon, the service, the CLI and GC ask of a catalog.
 
 Two implementations: `catalog.Catalog` (SQL: SQLite or PostgreSQL) and
-`kvc.remote.RemoteCatalog` (the same calls over a `kvc serve` service). One
+`catalog.remote.RemoteCatalog` (the same calls over a `kvc serve` service). One
 behaviour suite (`tests/test_catalog_behaviour.py`) holds both to this page.
 
 Every method may raise `CatalogUnavailableError` (nothing landed; retry) and,

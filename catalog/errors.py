@@ -16,7 +16,7 @@ from __future__ import annotations
 
 
 class CatalogError(Exception):
-    """Base class of every error raised by `catalog` and by `kvc.remote.RemoteCatalog`."""
+    """Base class of every error raised by `catalog` and by `catalog.remote.RemoteCatalog`."""
 
 
 class CatalogInputError(CatalogError, ValueError):

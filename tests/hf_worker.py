@@ -16,8 +16,8 @@ from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
 
 from catalog.base import CatalogAPI
 from catalog.catalog import Catalog
+from catalog.remote import RemoteCatalog
 from chunkstore import open_store
-from kvc.remote import RemoteCatalog
 from restore.engines.hf import HFAdapter
 
 # Small models of each architecture the tests cover: GQA everywhere it exists, random

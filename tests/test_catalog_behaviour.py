@@ -31,7 +31,7 @@ from catalog import (
     chain_root,
 )
 from catalog.catalog import Catalog
-from kvc.remote import RemoteCatalog
+from catalog.remote import RemoteCatalog
 from kvc.service import create_app, hash_token
 from tests.catalog_helpers import CS, FP, FP2, chain_records, receipt
 from tests.services import serve_in_thread

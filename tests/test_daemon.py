@@ -18,10 +18,10 @@ from click.testing import CliRunner
 
 from catalog import Fingerprint
 from catalog.catalog import Catalog
+from catalog.remote import RemoteCatalog
 from chunkstore import ChunkStore, open_store
 from kvc.commands.daemon import register
 from kvc.daemon import Daemon, create_daemon_app
-from kvc.remote import RemoteCatalog
 from restore.engines.reference import ReferenceModel
 from restore.pool import PagePool
 

@@ -26,8 +26,8 @@ from transformers import DynamicCache, PreTrainedModel, StaticCache
 from catalog.base import CatalogAPI
 from catalog.catalog import Catalog
 from catalog.models import Shard
+from catalog.remote import RemoteCatalog
 from chunkstore import ChunkStore, open_store
-from kvc.remote import RemoteCatalog
 from kvc.service import create_app, hash_token
 from restore.engines.hf import HFAdapter, model_fingerprint, save_random_model
 from restore.errors import InputError, UnsupportedModelError

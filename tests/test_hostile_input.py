@@ -32,12 +32,12 @@ from catalog.catalog import Catalog
 from catalog.errors import CatalogError, IdentityError
 from catalog.identity import chain_root
 from catalog.models import Shard
+from catalog.wire import ChunkRecordModel
 from chunkstore import ChunkStore, open_store
 from chunkstore.errors import StoreURLError
 from chunkstore.record import encode_chunk
 from kvc.service import create_app, hash_token
 from kvc.settings import Settings
-from kvc.wire import ChunkRecordModel
 from restore.checkpoint import Checkpointer
 from restore.engines.reference import ReferenceModel
 from restore.errors import RestoreError

@@ -11,8 +11,8 @@ import pytest
 
 from catalog.catalog import Catalog
 from catalog.errors import NotFoundError
+from catalog.remote import RemoteCatalog
 from chunkstore import ChunkStore, open_store
-from kvc.remote import RemoteCatalog
 from kvc.service import create_app, hash_token
 from restore.checkpoint import Checkpointer
 from restore.engines.reference import ReferenceModel

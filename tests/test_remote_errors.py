@@ -22,7 +22,7 @@ from catalog.errors import (
     CatalogUnavailableError,
     OutcomeUnknownError,
 )
-from kvc.remote import RemoteCatalog
+from catalog.remote import RemoteCatalog
 from kvc.service import create_app, hash_token
 from tests.catalog_helpers import CS, FP, chain_records, publish, receipt
 from tests.fault_proxy import FaultProxy
@@ -60,7 +60,7 @@ def remote(url: str) -> Iterator[RemoteCatalog]:
 
 def test_importing_the_client_loads_no_web_framework() -> None:
     code = (
-        "import sys, kvc.remote\n"
+        "import sys, catalog.remote\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'fastapi', 'starlette', 'uvicorn'}))"
     )
     out = subprocess.run(
@@ -196,7 +196,7 @@ def test_the_catalogs_transport_errors_cross_the_service(
     monkeypatch.setattr(cat, "record_chunks", failing)
     app = create_app(cat, {"a": hash_token(TOKEN_A)}, max_prompt_tokens=64)
     with TestClient(app, raise_server_exceptions=False) as client:
-        from kvc.wire import ChunkRecordModel
+        from catalog.wire import ChunkRecordModel
 
         body = {
             "fingerprints": {FP.hex: dict(FP.descriptor)},

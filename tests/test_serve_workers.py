@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from catalog import Catalog
+from catalog.remote import RemoteCatalog
 from chunkstore import open_store
-from kvc.remote import RemoteCatalog
 from restore.journal import read_journal
 from tests.catalog_helpers import CS, FP, chain_records
 from tests.services import free_port

@@ -18,10 +18,10 @@ with warnings.catch_warnings():
     from fastapi.testclient import TestClient
 
 from catalog.catalog import Catalog
+from catalog.remote import RemoteCatalog
 from catalog.schema import Replica
-from kvc.remote import RemoteCatalog
+from catalog.wire import ChunkRecordModel
 from kvc.service import create_app, hash_token
-from kvc.wire import ChunkRecordModel
 from tests.catalog_helpers import CS, FP, chain_records, kill_gc_after_marking, publish
 from tests.services import serve_in_thread
 

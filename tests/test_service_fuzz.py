@@ -38,8 +38,8 @@ from schemathesis.specs.openapi.checks import (
 from catalog import Fingerprint, chain_root
 from catalog.catalog import Catalog
 from catalog.models import ChunkRecord, ReplicaReceipt, Shard
+from catalog.wire import NOT_FOUND, ChunkRecordModel, ShardModel
 from kvc.service import create_app, hash_token
-from kvc.wire import NOT_FOUND, ChunkRecordModel, ShardModel
 from tests.catalog_helpers import CS, FP, FP2, LAYOUT, chain_records
 
 TOKEN_A = "fuzz-token-a-3c9e"

@@ -135,7 +135,7 @@ def daemon_catalog(settings: Settings) -> Iterator[Any]:
             f"bearer token of namespace {settings.namespace!r}",
             EXIT_USAGE,
         )
-    from kvc.remote import RemoteCatalog
+    from catalog.remote import RemoteCatalog
 
     remote = RemoteCatalog(
         settings.service_url, settings.service_token, namespace=settings.namespace

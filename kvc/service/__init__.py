@@ -2,7 +2,7 @@
 
 `auth` holds the tokens, `routes_*` the routes (plain `def`s: the catalog is
 synchronous, so FastAPI runs them in its threadpool), `metrics` the Prometheus
-counters and `app` the factory. The bodies are `kvc.wire`'s. See docs/http-api.md.
+counters and `app` the factory. The bodies are `catalog.wire`'s. See docs/http-api.md.
 """
 
 from __future__ import annotations

@@ -28,12 +28,12 @@ from catalog.errors import (
     OutcomeUnknownError,
     PurgeInProgressError,
 )
+from catalog.wire import NOT_FOUND, Health
 from kvc.service import routes_catalog, routes_refs, routes_replicas
 from kvc.service.auth import Authenticate
 from kvc.service.deps import PromptLimit
 from kvc.service.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from kvc.service.metrics import CONTENT_TYPE_LATEST, Metrics
-from kvc.wire import NOT_FOUND, Health
 
 log = logging.getLogger(__name__)
 

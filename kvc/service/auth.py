@@ -15,7 +15,7 @@ from fastapi.security.utils import get_authorization_scheme_param
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvc.wire import API_ROOT, NOT_FOUND
+from catalog.wire import API_ROOT, NOT_FOUND
 
 MISSING_TOKEN = "missing bearer token"
 INVALID_TOKEN = "invalid bearer token"

@@ -12,8 +12,8 @@ from fastapi import Depends, Request
 from fastapi.exceptions import HTTPException
 
 from catalog import Catalog
+from catalog.wire import ErrorModel, InvalidRequestModel
 from kvc.service.metrics import Metrics
-from kvc.wire import ErrorModel, InvalidRequestModel
 
 
 async def _catalog(request: Request) -> Catalog:

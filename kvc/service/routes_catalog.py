@@ -11,9 +11,7 @@ from fastapi.exceptions import HTTPException
 
 from catalog.identity import Fingerprint
 from catalog.models import ChunkRecord, PublishResult
-from kvc.service.auth import Ns, not_found
-from kvc.service.deps import Cat, Counters, Limit, refusals
-from kvc.wire import (
+from catalog.wire import (
     API_PREFIX,
     ConflictModel,
     DirectiveModel,
@@ -36,6 +34,8 @@ from kvc.wire import (
     RegisterFingerprintRequest,
     StatsModel,
 )
+from kvc.service.auth import Ns, not_found
+from kvc.service.deps import Cat, Counters, Limit, refusals
 
 router = APIRouter(prefix=API_PREFIX)
 

@@ -9,10 +9,8 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 
-from kvc.service.auth import Ns
-from kvc.service.deps import Cat, refusals
-from kvc.wire import API_PREFIX
-from kvc.wire_refs import (
+from catalog.wire import API_PREFIX
+from catalog.wire_refs import (
     CreateRefRequest,
     ForkRefRequest,
     PinList,
@@ -24,6 +22,8 @@ from kvc.wire_refs import (
     RefName,
     UpdateRefRequest,
 )
+from kvc.service.auth import Ns
+from kvc.service.deps import Cat, refusals
 
 router = APIRouter(prefix=API_PREFIX)
 

@@ -7,9 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 
-from kvc.service.auth import Ns, not_found
-from kvc.service.deps import Cat, refusals
-from kvc.wire import (
+from catalog.wire import (
     API_PREFIX,
     CountResponse,
     DeclareDemandRequest,
@@ -23,6 +21,8 @@ from kvc.wire import (
     ReplicaKeys,
     TouchVerifiedRequest,
 )
+from kvc.service.auth import Ns, not_found
+from kvc.service.deps import Cat, refusals
 
 router = APIRouter(prefix=API_PREFIX)
 

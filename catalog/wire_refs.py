@@ -8,7 +8,7 @@ from typing import Annotated
 from pydantic import StringConstraints
 
 from catalog.models import PinInfo, RefInfo
-from kvc.wire import NO_NUL, Actor, Hex64, Reason, Seconds, TokenId, WireModel
+from catalog.wire import NO_NUL, Actor, Hex64, Reason, Seconds, TokenId, WireModel
 
 RefName = Annotated[str, StringConstraints(min_length=1, max_length=255, pattern=NO_NUL)]
 PinName = Annotated[

@@ -1,8 +1,8 @@
 """The HTTP catalog's wire models: the pydantic bodies `kvc serve` and `RemoteCatalog` exchange.
 
-Shared by the server (kvc/service/) and the client (kvc/remote.py); imports
+Shared by the server (kvc/service/) and the client (catalog/remote.py); imports
 no web framework, so a worker that only talks to a service never loads one.
-The bodies of refs and pins are in `kvc.wire_refs`.
+The bodies of refs and pins are in `catalog.wire_refs`.
 """
 
 from __future__ import annotations
@@ -431,7 +431,7 @@ class InvalidRequestModel(BaseModel):
     detail: list[FieldErrorModel]
 
 
-# -- replicas of the namespace, demand, prefixes, history (refs and pins: kvc.wire_refs) --
+# -- replicas of the namespace, demand, prefixes, history (refs and pins: catalog.wire_refs) --
 
 BlobKeys = Annotated[list[Hex64], Field(max_length=100_000)]
 Seconds = Annotated[float, Field(gt=0, lt=1e10, allow_inf_nan=False)]

@@ -1,6 +1,6 @@
 """RemoteCatalog: the whole catalog interface (`catalog.base.CatalogAPI`) over a `kvc serve` service.
 
-Imports no web framework: the bodies are `kvc.wire`'s pydantic models, the
+Imports no web framework: the bodies are `catalog.wire`'s pydantic models, the
 transport is httpx.
 """
 
@@ -40,8 +40,8 @@ from catalog.models import (
     ReplicaState,
     Shard,
 )
-from kvc.remote_errors import raise_error
-from kvc.wire import (
+from catalog.remote_errors import raise_error
+from catalog.wire import (
     API_ROOT,
     ChunkRecordModel,
     CountResponse,
@@ -62,7 +62,7 @@ from kvc.wire import (
     ShardModel,
     StatsModel,
 )
-from kvc.wire_refs import PinList, PinModel, RefList, RefModel
+from catalog.wire_refs import PinList, PinModel, RefList, RefModel
 
 if TYPE_CHECKING:
     from catalog.base import CatalogAPI
