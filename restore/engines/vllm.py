@@ -38,10 +38,8 @@ import math
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import blake3
 import numpy as np
 import torch
 import vllm
@@ -53,13 +51,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from catalog import AttentionLayout, Fingerprint
 from catalog.base import CatalogAPI
-from catalog.catalog import Catalog
-from catalog.identity import canonical_json
+from catalog.connect import connect
 from catalog.models import Shard
 from chunkstore import open_store
 from restore.checkpoint import Checkpointer
-from restore.engines.hf.cache import numpy_view
-from restore.engines.hf.identity import DTYPES, NOT_NUMERIC, json_safe, torch_dtype
+from restore.engines.hf.identity import NOT_NUMERIC, json_safe
+from restore.engines.torch_kv import DTYPES, numpy_view, torch_dtype
+from restore.engines.weights import weights_identity
 from restore.errors import InputError, UnsupportedModelError
 from restore.restore import Restorer
 
@@ -74,9 +72,6 @@ if TYPE_CHECKING:
 __all__ = ["KvcConnector", "KvcConnectorMetadata", "vllm_fingerprint"]
 
 log = logging.getLogger(__name__)
-
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
-
 
 @dataclass(frozen=True)
 class LoadSpec:
@@ -123,7 +118,7 @@ def vllm_layout(vllm_config: VllmConfig) -> AttentionLayout:
     if vllm_config.parallel_config.pipeline_parallel_size != 1:
         raise UnsupportedModelError("pipeline parallelism is not supported by the kvc connector")
     cache_dtype = vllm_config.cache_config.cache_dtype
-    dtype = model.dtype if cache_dtype in (None, "auto") else cache_dtype
+    dtype = model.dtype if cache_dtype in (None, "auto") else getattr(torch, cache_dtype, cache_dtype)
     if dtype not in DTYPES:
         raise UnsupportedModelError(
             f"KV cache dtype {dtype}: kvc stores float32, float16 and bfloat16 KV exactly "
@@ -146,32 +141,6 @@ def rank_shard(layout: AttentionLayout, rank: int, world: int) -> Shard:
     return Shard(0, layout.num_layers, rank * per, (rank + 1) * per)
 
 
-def weights_identity(model_path: str, revision: str | None, weights_id: str | None) -> str:
-    """`revision:<weights_id>` when the user vouches for one; else blake3 over a local model
-    directory's weight files (names and bytes, in name order). A hub name without a
-    `weights_id` is refused: a name alone does not pin the numbers."""
-    if weights_id is not None:
-        if not isinstance(weights_id, str) or not weights_id.strip():
-            raise InputError("weights_id must be a non-empty string (an immutable revision id)")
-        return f"revision:{weights_id}"
-    root = Path(model_path)
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
-    if not root.is_dir() or not files:
-        pinned = f" at revision {revision}" if revision else ""
-        raise InputError(
-            f"model {model_path!r}{pinned} is not a local directory with weight files: give "
-            "kv_connector_extra_config a 'weights_id' (an immutable revision id) that names "
-            "these exact weights"
-        )
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    for path in files:
-        h.update(canonical_json([str(path.relative_to(root)), path.stat().st_size]))
-        with path.open("rb") as f:
-            while chunk := f.read(64 << 20):
-                h.update(chunk)
-    return f"blake3:{h.hexdigest()}"
-
-
 def vllm_fingerprint(vllm_config: VllmConfig, weights_id: str | None = None) -> Fingerprint:
     """The fingerprint of the model vLLM serves: weights, architecture, the numeric config, the
     layout, and how vLLM runs it (vLLM and torch versions, dtypes, attention backend, device)."""
@@ -192,7 +161,7 @@ def vllm_fingerprint(vllm_config: VllmConfig, weights_id: str | None = None) -> 
         "tp": vllm_config.parallel_config.tensor_parallel_size,
     }
     return Fingerprint.create(
-        weights=weights_identity(model.model, model.revision, weights_id),
+        weights=weights_identity(model.model, weights_id),
         architecture=",".join(model.architectures or []) or type(model.hf_config).__name__,
         config=json_safe(config),
         attention_layout=layout,
@@ -337,7 +306,9 @@ class KvcConnector(KVConnectorBase_V1):
         world = vllm_config.parallel_config.tensor_parallel_size
         rank = vllm_config.parallel_config.rank if role == KVConnectorRole.WORKER else 0
         self.shard = rank_shard(self.layout, rank % world, world)
-        self.catalog: CatalogAPI = Catalog.open(str(_config_get(extra, "catalog")))
+        self.catalog: CatalogAPI = connect(
+            str(_config_get(extra, "catalog")), token=extra.get("token"), namespace=self._namespace
+        )
         self._stores = [open_store(str(url)) for url in stores]
         # Scheduler state.
         self._offered: dict[str, tuple[int, int]] = {}  # req id -> (computed, end) offered
@@ -518,9 +489,7 @@ class KvcConnector(KVConnectorBase_V1):
             self.restorer.close()
         for store in self._stores:
             store.close()
-        close = getattr(self.catalog, "close", None)
-        if close is not None:
-            close()
+        self.catalog.close()
 
 
 def _layer_index(name: str) -> int:

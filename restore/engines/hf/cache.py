@@ -14,15 +14,9 @@ from transformers.cache_utils import DynamicLayer
 from catalog import AttentionLayout
 from catalog.models import Shard
 from chunkstore.record import check_finite
-from restore.engines.hf.identity import full_attention_layers, torch_dtype
+from restore.engines.hf.identity import full_attention_layers
+from restore.engines.torch_kv import numpy_view, torch_dtype
 from restore.errors import InputError, UnsupportedModelError
-
-
-def numpy_view(t: torch.Tensor) -> np.ndarray[Any, Any]:
-    """A numpy view of a CPU tensor (bfloat16 as its uint16 bit patterns): no copy."""
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.uint16)
-    return t.numpy()
 
 
 class CacheSnapshot:

@@ -12,14 +12,10 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from catalog import AttentionLayout, Fingerprint
-from catalog.identity import DType, canonical_json, token_array
+from catalog.identity import canonical_json, token_array
+from restore.engines.torch_kv import DTYPES
 from restore.errors import InputError, UnsupportedModelError
 
-DTYPES: dict[torch.dtype, DType] = {
-    torch.float32: "float32",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-}
 # Config fields that never change a K/V value: names, paths, versions, labels,
 # token ids and output switches. Everything else is part of the fingerprint, so
 # a field this list does not know costs at most a cache miss, never a wrong hit.
@@ -49,10 +45,6 @@ NOT_NUMERIC = frozenset(
         "finetuning_task",
     }
 )
-
-
-def torch_dtype(dtype: str) -> torch.dtype:
-    return next(t for t, name in DTYPES.items() if name == dtype)
 
 
 def text_config(model: PreTrainedModel) -> Any:

@@ -1,0 +1,548 @@
+"""The SGLang engine adapter: a HiCache storage backend (L3) that keeps SGLang's KV pages as verified kvc chunks.
+
+SGLang loads it through its dynamic backend factory (docs/engines.md, "SGLang")::
+
+    --hicache-storage-backend dynamic --hicache-storage-backend-extra-config
+    '{"backend_name": "kvc", "module_path": "restore.engines.sglang",
+      "class_name": "KvcHiCacheStorage", "interface_v1": 1,
+      "hicache_storage_pass_prefix_keys": true,
+      "catalog": "postgresql://...", "stores": ["file:///...", "s3://..."],
+      "namespace": "sglang"}'
+
+Identity. SGLang hands a storage backend page keys, never token ids: a key is
+SGLang's sha256 chain hash (hex) over the page's tokens and the previous page's
+key, so it already commits to the whole prefix. kvc's chain hash commits to its
+parent and to a sequence of 32-bit symbols. A page becomes one kvc chunk
+(namespace chunk size = SGLang page size) whose symbols are **the page key
+itself**: its 32 bytes as 8 big-endian uint32 words, then zeros up to the page
+size (`page_symbols`). These are not token ids and kvc never treats them as
+such: nothing looks such a chain up by a prompt, and the catalog's
+`prefixes.tokens_be` of an SGLang page starts with the exact 32 bytes of its
+SGLang key, so SQL finds a page by its key (docs/engines.md). Distinct keys give
+distinct symbols, so kvc's identity is as collision-free as SGLang's; the page
+size must be at least 8 to hold the whole key (a smaller one is refused).
+
+Lineage. A page's parent is the previous page of the same sequence, so a page's
+kvc prefix hash is the chain over the symbols of every page from the sequence
+start. SGLang passes those preceding keys in `extra_info.prefix_keys` to
+`batch_exists`, `batch_get_v1` and `batch_set_v1` when
+`hicache_storage_pass_prefix_keys` is true (and uses the v1 calls when
+`interface_v1` is 1): both are required. A call without them cannot be placed
+and is a miss (reads) or refused (writes), never stored at a made-up position.
+The single-key calls (`get`, `set`, `exists`, `batch_get`, `batch_set`) carry no
+context: they serve keys whose place this backend learned from such a call
+(`_places`, bounded), and miss on any other.
+
+Everything else is kvc's own pipeline: a write is `Checkpointer.checkpoint_snapshot`
+over the host pool's pages (bytes durable, then catalogued; pages already
+catalogued are skipped; a page whose parent is not catalogued is refused), a
+read is `Restorer.restore_into` into the host pool's pages (every blob verified:
+blake3 equals its key, header matches the catalog; a corrupt or missing replica
+is marked and the read truncated to the verified pages). GC, fsck, quarantine
+and SQL see ordinary chunks.
+
+Supported: MHA host pools (`MHATokenToKVPoolHost`) in the `layer_first` and
+`page_first` layouts, float16/bfloat16/float32 KV, tensor parallelism (a rank's
+kv heads are its shard). Refused by name (`UnsupportedModelError`): MLA (K-only
+latent cache), other layouts, quantized KV, pipeline, context and decode-context
+parallelism, heterogeneous-TP head splitting, page sizes below 8.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import numpy as np
+import sglang
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+
+from catalog import AttentionLayout, Fingerprint
+from catalog.connect import connect
+from catalog.errors import CatalogError
+from catalog.identity import is_hex64
+from catalog.lru import LRU
+from catalog.models import Shard
+from chunkstore import open_store
+from chunkstore.record import check_finite
+from restore.checkpoint import Checkpointer
+from restore.engines.torch_kv import DTYPES, numpy_view
+from restore.engines.weights import weights_identity
+from restore.errors import InputError, RestoreError, UnsupportedModelError
+from restore.restore import Restorer
+from restore.write_behind import write_behind_store
+
+__all__ = ["KvcHiCacheStorage", "page_symbols"]
+
+log = logging.getLogger(__name__)
+
+KEY_WORDS = 8  # a 32-byte SGLang page key as uint32 words
+LAYOUTS = ("layer_first", "page_first")
+# Page -> [L, 2, P, H, D] (a kvc payload) and back, per host layout of kv_buffer.
+_TO_PAYLOAD = {"layer_first": (1, 0, 2, 3, 4), "page_first": (2, 0, 1, 3, 4)}
+_TO_HOST = {"layer_first": (1, 0, 2, 3, 4), "page_first": (1, 2, 0, 3, 4)}
+
+
+def page_symbols(keys: list[str], page_size: int) -> np.ndarray[Any, np.dtype[np.uint32]]:
+    """The symbols `keys` (one sequence's pages, in order) contribute to kvc's chain.
+
+    Per page: the key's 32 bytes as 8 big-endian uint32 words, then zeros up to
+    `page_size`. `InputError` for a key that is not 64 lowercase hex characters.
+    """
+    out = np.zeros((len(keys), page_size), dtype="<u4")
+    for i, key in enumerate(keys):
+        if not is_hex64(key):
+            raise InputError(f"SGLang page key {key!r:.80} is not 64 lowercase hex characters")
+        out[i, :KEY_WORDS] = np.frombuffer(bytes.fromhex(key), dtype=">u4")
+    return out.reshape(-1)
+
+
+class _HostPages:
+    """Some pages of a kv_buffer-shaped tensor as kvc's two seams (`restore.destination`).
+
+    Chain positions `[0, base * P)` are the call's `prefix_keys` (not here: a
+    read or write of them fails); page `base + j` is at slot `starts[j]`.
+    """
+
+    def __init__(
+        self,
+        buffer: torch.Tensor,
+        host_layout: str,
+        layout: AttentionLayout,
+        page_size: int,
+        base: int,
+        starts: list[int],
+    ) -> None:
+        self._buf = numpy_view(buffer)
+        self._host_layout = host_layout
+        self._layout = layout
+        self._p = page_size
+        self._base = base
+        self._starts = starts
+        self.committed = 0
+
+    @property
+    def layout(self) -> AttentionLayout:
+        return self._layout
+
+    @property
+    def length(self) -> int:
+        return (self._base + len(self._starts)) * self._p
+
+    def _page(self, start: int, count: int) -> np.ndarray[Any, Any]:
+        """The host memory of positions `[start, start + count)` (within one page), host order."""
+        j = start // self._p - self._base
+        if j < 0 or start % self._p + count > self._p:
+            raise RestoreError(
+                f"positions {start}..{start + count} are not a page of this call: "
+                "a page before the call's keys is not catalogued in kvc"
+            )
+        s = self._starts[j] + start % self._p
+        if self._host_layout == "layer_first":
+            return self._buf[:, :, s : s + count]
+        return self._buf[:, s : s + count]
+
+    def read_kv(self, start: int, end: int) -> np.ndarray[Any, Any]:
+        return np.ascontiguousarray(
+            self._page(start, end - start).transpose(_TO_PAYLOAD[self._host_layout])
+        )
+
+    def read_kv_into(self, out: np.ndarray[Any, Any], start: int, end: int) -> None:
+        out[...] = self._page(start, end - start).transpose(_TO_PAYLOAD[self._host_layout])
+
+    def check_finite(self, start: int, end: int) -> None:
+        check_finite(self._page(start, end - start), self._layout.dtype)
+
+    def reserve(self, tokens: int) -> None:
+        self.committed = 0  # the pages exist: SGLang allocated them
+
+    def write(self, kv: np.ndarray[Any, Any], start: int, count: int) -> None:
+        self._page(start, count)[...] = kv[:, :, :count].transpose(_TO_HOST[self._host_layout])
+
+    def commit(self, tokens: int) -> None:
+        self.committed = tokens
+
+    def abort(self) -> None:
+        self.committed = 0
+
+
+class KvcHiCacheStorage(HiCacheStorage):
+    """SGLang's L3 KV storage in kvc: pages as chunks with lineage, every read verified.
+
+    Built by SGLang's dynamic backend factory as `KvcHiCacheStorage(storage_config,
+    kwargs)`; `storage_config.extra_config` holds `catalog` (a SQLAlchemy URL),
+    `stores` (store URLs: the first receives every page, the first object store
+    after it a write-behind copy, all are read), and optionally `namespace`
+    (default "sglang"; its chunk size is the page size), `weights_id` (an
+    immutable revision of the weights; default: SGLang's model name, trusted as
+    one) and `execution_variant` (what else changes the KV numbers: attention
+    backend, GPU). The fingerprint is fixed when SGLang registers its host pool.
+    """
+
+    def __init__(
+        self, storage_config: HiCacheStorageConfig, kwargs: dict[str, Any] | None = None
+    ) -> None:
+        cfg = storage_config
+        unsupported = {
+            "an MLA model (its host pool holds a K-only latent cache)": cfg.is_mla_model,
+            f"pipeline parallelism (pp_size={cfg.pp_size})": cfg.pp_size > 1,
+            f"attention context parallelism (attn_cp_size={cfg.attn_cp_size})": cfg.attn_cp_size
+            > 1,
+            f"decode context parallelism (dcp_size={cfg.dcp_size})": cfg.dcp_size > 1,
+            "heterogeneous-TP head splitting (tp_lcm_size)": cfg.should_split_heads,
+        }
+        refused = [what for what, is_set in unsupported.items() if is_set]
+        if refused:
+            raise UnsupportedModelError(f"kvc's SGLang backend does not support {refused[0]}")
+        extra = dict(cfg.extra_config or {})
+        catalog_url, store_urls = extra.get("catalog"), extra.get("stores")
+        if not isinstance(catalog_url, str) or not catalog_url:
+            raise InputError('kvc needs "catalog" (a database URL) in the extra config')
+        if not isinstance(store_urls, list) or not store_urls:
+            raise InputError('kvc needs "stores" (a list of store URLs) in the extra config')
+        self.config = cfg
+        self.namespace = str(extra.get("namespace", "sglang"))
+        self.weights = weights_identity(cfg.model_name or "", extra.get("weights_id"))
+        self.variant = str(extra.get("execution_variant", "default"))
+        self.actor = f"sglang:tp{cfg.tp_rank}"
+        self.catalog = connect(catalog_url, token=extra.get("token"), namespace=self.namespace)
+        self.stores = [open_store(u) for u in store_urls]
+        self._places: LRU[str, str] = LRU(1 << 20)  # page key -> previous page key ("" first)
+        self.fingerprint: Fingerprint | None = None
+        self._checkpointer: Checkpointer | None = None
+        self._restorer: Restorer | None = None
+
+    # -- setup -----------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Take SGLang's host pool: check it, fix the fingerprint and shard, open the pipelines."""
+        host_layout = getattr(mem_pool_host, "layout", None)
+        buffer = getattr(mem_pool_host, "kv_buffer", None)
+        if host_layout not in LAYOUTS or not isinstance(buffer, torch.Tensor):
+            raise UnsupportedModelError(
+                f"host pool {type(mem_pool_host).__name__} with layout {host_layout!r}: "
+                f"kvc supports MHA host pools in the {' or '.join(LAYOUTS)} layout"
+            )
+        if buffer.dtype not in DTYPES:
+            raise UnsupportedModelError(
+                f"host KV dtype {buffer.dtype}: kvc stores float16, bfloat16 and float32 exactly"
+            )
+        p = int(mem_pool_host.page_size)
+        if p < KEY_WORDS:
+            raise UnsupportedModelError(
+                f"page size {p}: kvc needs at least {KEY_WORDS} positions per page "
+                "to hold the 32-byte page key in the chain (use --page-size 8 or more)"
+            )
+        layers, heads, dim = mem_pool_host.layer_num, mem_pool_host.head_num, mem_pool_host.head_dim
+        if getattr(mem_pool_host, "v_head_dim", dim) != dim:
+            raise UnsupportedModelError("K and V of different head dims are not supported")
+        want = (2, layers, buffer.shape[2], heads, dim)
+        if host_layout == "page_first":
+            want = (2, buffer.shape[1], layers, heads, dim)
+        if tuple(buffer.shape) != want or buffer.device.type != "cpu":
+            raise UnsupportedModelError(
+                f"host kv_buffer is {tuple(buffer.shape)} on {buffer.device}, "
+                f"expected {want} on cpu for layout {host_layout}"
+            )
+        super().register_mem_pool_host(mem_pool_host)
+        cfg = self.config
+        kv_dtype = DTYPES[buffer.dtype]
+        full = AttentionLayout(layers, heads * cfg.tp_size, dim, kv_dtype)
+        shard = Shard(0, layers, heads * cfg.tp_rank, heads * (cfg.tp_rank + 1))
+        self.fingerprint = Fingerprint.create(
+            weights=self.weights,
+            architecture="sglang",
+            config={"model_name": cfg.model_name, "tp_size": cfg.tp_size},
+            attention_layout=full,
+            execution_variant=";".join(
+                f"{k}={v}"
+                for k, v in sorted(
+                    {
+                        "engine": "sglang",
+                        "sglang": sglang.__version__,
+                        "torch": torch.__version__,
+                        "kv": kv_dtype,
+                        "variant": self.variant,
+                    }.items()
+                )
+            ),
+        )
+        self.host_layout: str = host_layout
+        self.page_size = p
+        self.layout = AttentionLayout(layers, heads, dim, kv_dtype)
+        self.shard = shard
+        self._checkpointer = Checkpointer(
+            self.catalog,
+            self.stores[0],
+            self.namespace,
+            p,
+            write_behind=write_behind_store(self.stores[1:]),
+            shard=shard,
+            actor=self.actor,
+        )
+        self._restorer = Restorer(
+            self.catalog, self.stores, self.namespace, shard=shard, actor=self.actor
+        )
+        log.info(
+            "kvc HiCache storage: namespace %s, fingerprint %s, shard %s",
+            self.namespace,
+            self.fingerprint.hex[:12],
+            shard,
+        )
+
+    # -- the v1 interface SGLang calls (interface_v1, hicache_storage_pass_prefix_keys) ----
+
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
+        """How many leading `keys` are catalogued with a readable replica (not marked corrupt)."""
+        chain = self._chain(keys, extra_info)
+        if chain is None or not keys:
+            return 0
+        symbols, base = chain
+        restorer, fp = self._ready()
+        match = self.catalog.lookup(
+            self.namespace, fp, np.append(symbols, np.uint32(0)), shard=self.shard
+        )
+        readable = restorer.readable_prefix(match)[0]
+        return max(0, min(len(keys), readable // self.page_size - base))
+
+    def batch_get_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Load the leading verified pages of `keys` into the host pool at `host_indices`."""
+        return self._load(
+            keys, extra_info, self._host_buffer(), self._page_starts(keys, host_indices)
+        )
+
+    def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: torch.Tensor,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        """Store the pages of `keys` from the host pool; all of them, or (on any failure) none."""
+        starts = self._page_starts(keys, host_indices)
+        return [self._store(keys, extra_info, self._host_buffer(), starts)] * len(keys)
+
+    # -- the single-page interface (keys whose place this backend has learned) --
+
+    def get(
+        self,
+        key: str,
+        target_location: Any = None,
+        target_sizes: Any = None,
+    ) -> torch.Tensor | None:
+        """Load one page into `target_location` (a flat page of the host pool); None on a miss."""
+        target = self._flat_page(target_location, "target_location")
+        prefix = self._learned_prefix(key)
+        if prefix is None:
+            return None
+        info = HiCacheStorageExtraInfo(prefix_keys=prefix)
+        loaded = self._load([key], info, self._one_page(target), [0])
+        return target_location if loaded[0] else None
+
+    def batch_get(
+        self,
+        keys: list[str],
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> list[torch.Tensor | None]:
+        if target_locations is None or len(target_locations) != len(keys):
+            raise InputError("batch_get needs one target location per key")
+        return [self.get(k, t) for k, t in zip(keys, target_locations, strict=True)]
+
+    def set(
+        self,
+        key: str,
+        value: Any = None,
+        target_location: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        """Store one flat page; False when its place in a sequence is unknown or it fails."""
+        page = self._flat_page(value, "value")
+        prefix = self._learned_prefix(key)
+        if prefix is None:
+            log.error("kvc cannot place page %s: no call told its sequence; not stored", key[:16])
+            return False
+        info = HiCacheStorageExtraInfo(prefix_keys=prefix)
+        return self._store([key], info, self._one_page(page), [0])
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        if values is None or len(values) != len(keys):
+            raise InputError("batch_set needs one value per key")
+        return all([self.set(k, v) for k, v in zip(keys, values, strict=True)])
+
+    def exists(self, key: str) -> bool:
+        prefix = self._learned_prefix(key)
+        if prefix is None:
+            return False
+        return self.batch_exists([key], HiCacheStorageExtraInfo(prefix_keys=prefix)) == 1
+
+    def close(self) -> None:
+        """Finish write-behind uploads, stop the workers, release the catalog."""
+        if self._checkpointer is not None:
+            self._checkpointer.close()
+        if self._restorer is not None:
+            self._restorer.close()
+        self.catalog.close()
+
+    # -- internals -----------------------------------------------------------------
+
+    def _ready(self) -> tuple[Restorer, Fingerprint]:
+        if self._restorer is None or self.fingerprint is None:
+            raise RestoreError("kvc HiCache storage: SGLang has not registered its host pool")
+        return self._restorer, self.fingerprint
+
+    def _chain(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None
+    ) -> tuple[np.ndarray[Any, np.dtype[np.uint32]], int] | None:
+        """The chain symbols of the call's sequence and how many pages precede `keys`, or
+        None (logged) when SGLang did not pass the preceding keys."""
+        prefix = extra_info.prefix_keys if extra_info is not None else None
+        if prefix is None:
+            log.error(
+                "kvc needs the keys of the pages before each call: set "
+                '"hicache_storage_pass_prefix_keys": true in the extra config (treated as a miss)'
+            )
+            return None
+        chain = [*prefix, *keys]
+        symbols = page_symbols(chain, self.page_size)  # validates every key first
+        for i, key in enumerate(chain):
+            self._places.put(key, chain[i - 1] if i else "")
+        return symbols, len(prefix)
+
+    def _learned_prefix(self, key: str) -> list[str] | None:
+        """The keys before `key` in its sequence, as learned from earlier calls, or None."""
+        if not is_hex64(key):
+            raise InputError(f"SGLang page key {key!r:.80} is not 64 lowercase hex characters")
+        prefix: list[str] = []
+        parent = self._places.get(key)
+        while parent:
+            prefix.append(parent)
+            parent = self._places.get(parent)
+        if parent is None:
+            return None  # never seen, or an ancestor was forgotten
+        return prefix[::-1]
+
+    def _pages(self, buffer: torch.Tensor, base: int, starts: list[int]) -> _HostPages:
+        return _HostPages(buffer, self.host_layout, self.layout, self.page_size, base, starts)
+
+    def _load(
+        self,
+        keys: list[str],
+        extra_info: HiCacheStorageExtraInfo | None,
+        buffer: torch.Tensor,
+        starts: list[int],
+    ) -> list[bool]:
+        """Restore the leading verified pages of `keys` into `buffer` at `starts`."""
+        chain = self._chain(keys, extra_info)
+        if chain is None or not keys:
+            return [False] * len(keys)
+        symbols, base = chain
+        restorer, fp = self._ready()
+        pages = self._pages(buffer, base, starts)
+        p = self.page_size
+        match = self.catalog.lookup(
+            self.namespace, fp, np.append(symbols, np.uint32(0)), shard=self.shard
+        )
+        if match.matched_tokens < (base + 1) * p:
+            return [False] * len(keys)
+        # Only the call's pages are read: the preceding ones are in SGLang's host memory.
+        ours = dataclasses.replace(match, chunks=match.chunks[base:])
+        restorer.restore_into(pages, symbols, fp, self.shard, match=ours)
+        loaded = max(0, min(len(keys), pages.committed // p - base))
+        return [True] * loaded + [False] * (len(keys) - loaded)
+
+    def _store(
+        self,
+        keys: list[str],
+        extra_info: HiCacheStorageExtraInfo | None,
+        buffer: torch.Tensor,
+        starts: list[int],
+    ) -> bool:
+        """Publish the pages of `keys` from `buffer` at `starts`: all of them or none."""
+        chain = self._chain(keys, extra_info)
+        if chain is None:
+            return False
+        if not keys:
+            return True
+        symbols, base = chain
+        _, fp = self._ready()
+        assert self._checkpointer is not None
+        try:
+            self._checkpointer.checkpoint_snapshot(self._pages(buffer, base, starts), symbols, fp)
+        except (RestoreError, CatalogError, ValueError, OSError) as exc:
+            log.error("kvc did not store %d pages after %d: %s", len(keys), base, exc)
+            return False
+        return True
+
+    def _host_buffer(self) -> torch.Tensor:
+        self._ready()
+        buffer: torch.Tensor = self.mem_pool_host.kv_buffer
+        return buffer
+
+    def _page_starts(self, keys: list[str], host_indices: torch.Tensor) -> list[int]:
+        """The first host slot of each page; `InputError` unless each page is P consecutive slots."""
+        self._ready()
+        p = self.page_size
+        idx = torch.as_tensor(host_indices).reshape(-1).to(torch.int64)
+        if idx.numel() != len(keys) * p:
+            raise InputError(
+                f"{len(keys)} pages of {p} positions need {len(keys) * p} host indices, "
+                f"got {idx.numel()}"
+            )
+        if not keys:
+            return []
+        rows = idx.view(len(keys), p)
+        if not torch.equal(rows - rows[:, :1], torch.arange(p).expand(len(keys), p)):
+            raise InputError("host indices of a page must be consecutive slots")
+        size = self._host_buffer().shape[2 if self.host_layout == "layer_first" else 1]
+        if int(idx.min()) < 0 or int(idx.max()) >= size:
+            raise InputError(f"host indices must be in [0, {size})")
+        return rows[:, 0].tolist()
+
+    def _flat_page(self, page: Any, what: str) -> torch.Tensor:
+        """`page` checked to be one flat page of the host pool (its dtype and size, on cpu)."""
+        buffer = self._host_buffer()
+        numel = self.layout.bytes_per_token * self.page_size // buffer.element_size()
+        if (
+            not isinstance(page, torch.Tensor)
+            or page.dtype != buffer.dtype
+            or page.numel() != numel
+            or page.device.type != "cpu"
+            or not page.is_contiguous()
+        ):
+            got = (
+                f"{page.dtype} x {page.numel()} on {page.device}"
+                if isinstance(page, torch.Tensor)
+                else type(page).__name__
+            )
+            raise InputError(
+                f"{what} must be a contiguous cpu tensor of {numel} {buffer.dtype} "
+                f"(one flat page of the host pool), got {got}"
+            )
+        return page
+
+    def _one_page(self, flat: torch.Tensor) -> torch.Tensor:
+        """A flat page viewed as a one-page buffer in the host pool's layout."""
+        lay, p = self.layout, self.page_size
+        shape = (2, lay.num_layers, p, lay.num_kv_heads, lay.head_dim)
+        if self.host_layout == "page_first":
+            shape = (2, p, lay.num_layers, lay.num_kv_heads, lay.head_dim)
+        return flat.view(shape)
