@@ -35,7 +35,10 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from catalog.catalog import Catalog  # noqa: E402
+from catalog.errors import CatalogInputError  # noqa: E402
+from catalog.remote import RemoteCatalog  # noqa: E402
 from chunkstore import open_store  # noqa: E402
+from kvc.service import create_app, hash_token  # noqa: E402
 from restore.engines.vllm import (  # noqa: E402
     KvcConnector,
     KvcConnectorMetadata,
@@ -43,6 +46,7 @@ from restore.engines.vllm import (  # noqa: E402
     SaveSpec,
 )
 from restore.errors import InputError, UnsupportedModelError  # noqa: E402
+from tests.services import serve_in_thread  # noqa: E402
 
 BLOCK = 16
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 16
@@ -247,7 +251,7 @@ def make_scheduler(config: VllmConfig) -> Scheduler:
 
 def request(req_id: str, tokens: list[int]) -> Request:
     params = SamplingParams(max_tokens=4)
-    params.update_from_generation_config({}, None)
+    params.update_from_generation_config({}, EOS)
     return Request(
         request_id=req_id,
         prompt_token_ids=tokens,
@@ -280,6 +284,61 @@ def test_vllms_scheduler_loads_the_stored_prefix_in_whole_blocks(model_dir: Path
     assert list(load.block_ids) == list(new["hit"].block_ids[0])
     assert out.num_scheduled_tokens["hit"] == len(prompt) - 192
     assert out.num_scheduled_tokens["miss"] == 40
+    sched.shutdown()
+
+
+def test_a_finished_request_is_saved_and_its_blocks_held_until_the_worker_read_them(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    config = vllm_config(model_dir, tmp_path)
+    caches = kv_caches(fill=True)
+    w = worker(config, caches)
+    sched = make_scheduler(config)
+    prompt = list(range(1, 40))  # 39 tokens; with 2 generated, 40 computed: 2 whole blocks
+    sched.add_request(request("r", prompt))
+    out = sched.schedule()
+    blocks = list(out.scheduled_new_reqs[0].block_ids[0])
+    free_before = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    sched.update_from_output(out, runner_output(["r"], token=1))
+    out = sched.schedule()
+    sched.update_from_output(out, runner_output(["r"], token=EOS))  # max_tokens or EOS: finished
+    out = sched.schedule()  # carries the save
+    meta = out.kv_connector_metadata
+    assert isinstance(meta, KvcConnectorMetadata)
+    assert [(s.req_id, len(s.token_ids), list(s.block_ids)) for s in meta.saves] == [("r", 32, blocks[:2])]
+    # vLLM has not freed the request's blocks: the save has not read them yet.
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() < free_before + len(blocks)
+    assert "r" in sched.requests
+    run_step(w, meta)
+    assert w.checkpointer is not None
+    w.checkpointer.close()
+    sending, _ = w.get_finished(set())
+    sched.update_from_output(out, runner_output([], finished_sending=sending))
+    assert "r" not in sched.requests  # released once the worker reported the save read
+    cat = Catalog.open(f"sqlite:///{tmp_path / 'catalog.db'}")
+    assert cat.lookup("vllm", w.fingerprint.hex, [*prompt, 1]).matched_tokens == 32
+    cat.close()
+    w.shutdown()
+    sched.shutdown()
+
+
+EOS = 2
+
+
+def runner_output(req_ids: list[str], token: int = 0, finished_sending: set[str] | None = None) -> Any:
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=[[token] for _ in req_ids],
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=None,
+        kv_connector_output=KVConnectorOutput(finished_sending=finished_sending)
+        if finished_sending
+        else None,
+    )
 
 
 def test_the_scheduler_saves_a_finished_request_once(model_dir: Path, tmp_path: Path) -> None:
@@ -292,6 +351,7 @@ def test_the_scheduler_saves_a_finished_request_once(model_dir: Path, tmp_path: 
     meta = sched.build_connector_meta(_empty_output())
     assert meta.saves == [SaveSpec("r", tuple(range(1, 33)), (5, 6))]
     assert sched.build_connector_meta(_empty_output()).saves == []
+    sched.shutdown()
 
 
 def _empty_output() -> Any:
@@ -337,3 +397,32 @@ def test_llm_generates_the_same_tokens_with_the_connector(model_dir: Path, tmp_p
         )
         assert llm.generate([prompt], greedy)[0].outputs[0].token_ids == want
         del llm
+
+
+def test_the_connector_works_through_a_kvc_service(model_dir: Path, tmp_path: Path) -> None:
+    """The catalog behind `kvc serve`: workers save and the real Scheduler finds hits over HTTP."""
+    token = "vllm-connector-test-token"
+    local = Catalog.open(f"sqlite:///{tmp_path / 'served.db'}", upgrade=True)
+    app = create_app(local, {"vllm": hash_token(token)}, max_prompt_tokens=4096)
+    with serve_in_thread(app) as url:
+        config = vllm_config(model_dir, tmp_path, catalog=url, token=token)
+        w = worker(config, kv_caches(fill=True))
+        assert isinstance(w.catalog, RemoteCatalog)
+        stored = list(range(1, 129))
+        save(w, stored, list(range(0, 8)))
+        w.shutdown()
+        sched = make_scheduler(config)
+        sched.add_request(request("hit", [*stored, 5, 6]))
+        meta = sched.schedule().kv_connector_metadata
+        assert isinstance(meta, KvcConnectorMetadata)
+        assert [(load.req_id, load.start, load.end) for load in meta.loads] == [("hit", 0, 128)]
+        sched.shutdown()  # the scheduler's connector closes its HTTP client
+    assert local.lookup("vllm", w.fingerprint.hex, [*stored, 5]).matched_tokens == 128
+    local.close()
+
+
+def test_a_kvc_service_without_a_token_is_refused(model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVC_SERVICE_TOKEN", raising=False)
+    config = vllm_config(model_dir, tmp_path, catalog="http://127.0.0.1:9")
+    with pytest.raises(CatalogInputError, match="bearer token"):
+        KvcConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
