@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from catalog.catalog import Catalog
-from catalog.errors import NotFoundError
+from catalog.connect import connect
+from catalog.errors import CatalogInputError, NotFoundError, SchemaVersionError
 from catalog.remote import RemoteCatalog
 from chunkstore import ChunkStore, open_store
 from kvc.service import create_app, hash_token
@@ -102,3 +103,23 @@ def test_a_second_checkpoint_moves_the_ref_by_cas_and_skips_known_chunks(
         remote.delete_ref("default", "c")
         with pytest.raises(NotFoundError):
             remote.get_ref("default", "c")
+
+
+def test_connect_opens_a_service_or_a_database_by_url(
+    base_url: str, catalog: Catalog, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVC_SERVICE_TOKEN", TOKEN)
+    remote = connect(base_url)
+    assert isinstance(remote, RemoteCatalog)
+    assert remote.stats("default") == catalog.stats("default")
+    remote.close()
+    sql = connect(f"sqlite:///{tmp_path / 'catalog.db'}")
+    assert isinstance(sql, Catalog)
+    sql.close()
+    monkeypatch.delenv("KVC_SERVICE_TOKEN")
+    with pytest.raises(CatalogInputError, match="bearer token"):
+        connect(base_url)
+    with pytest.raises(CatalogInputError, match="empty"):
+        connect(" ")
+    with pytest.raises(SchemaVersionError, match="no kvc schema"):  # never migrated on open
+        connect(f"sqlite:///{tmp_path / 'other.db'}")
