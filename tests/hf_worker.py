@@ -18,7 +18,7 @@ from catalog.base import CatalogAPI
 from catalog.catalog import Catalog
 from catalog.remote import RemoteCatalog
 from chunkstore import open_store
-from restore.engines.hf import HFAdapter
+from restore.engines.hf import HFAdapter, cache_kwarg
 
 # Small models of each architecture the tests cover: GQA everywhere it exists, random
 # biases (Qwen2's qkv bias), no end-of-sequence token so every run generates in full.
@@ -67,7 +67,7 @@ def cache_digests(cache: DynamicCache) -> list[list[str] | None]:
 @torch.no_grad()
 def prefill(model: PreTrainedModel, ids: list[int]) -> DynamicCache:
     cache = DynamicCache(config=model.config)
-    model(torch.tensor([ids], device=model.device), cache=cache, use_cache=True)
+    model(torch.tensor([ids], device=model.device), **{cache_kwarg(model): cache}, use_cache=True)
     return cache
 
 
@@ -76,7 +76,7 @@ def generate(model: PreTrainedModel, ids: list[int], cache: DynamicCache, n: int
     """n greedy tokens after `ids` from `cache`: the tokens and a digest of every logits vector."""
     out = model.generate(
         torch.tensor([ids], device=model.device),
-        cache=cache,
+        **{cache_kwarg(model): cache},
         max_new_tokens=n,
         do_sample=False,
         output_logits=True,

@@ -29,7 +29,7 @@ from catalog.models import Shard
 from catalog.remote import RemoteCatalog
 from chunkstore import ChunkStore, open_store
 from kvc.service import create_app, hash_token
-from restore.engines.hf import HFAdapter, model_fingerprint, save_random_model
+from restore.engines.hf import HFAdapter, cache_kwarg, model_fingerprint, save_random_model
 from restore.errors import InputError, UnsupportedModelError
 from tests.hf_worker import CONFIGS, cache_digests, generate, load, prefill
 from tests.services import serve_in_thread
@@ -289,18 +289,20 @@ def test_input_ids_as_list_1d_and_batch_of_one_tensor_and_both_cache_names(
         assert restored == [40, 40, 40]
         cache, _ = kv.restore(p)
         want = generate(llama, p, prefill(llama, p[:40]), 4)["tokens"]
-        # transformers 5 still accepts the cache under its old name, with a deprecation warning.
-        with pytest.warns(FutureWarning, match="past_key_values"), torch.no_grad():
-            old = llama.generate(
-                torch.tensor([p]), past_key_values=cache, max_new_tokens=4, do_sample=False
+        # generate continues from the restored cache (under the name this transformers takes).
+        with torch.no_grad():
+            out = llama.generate(
+                torch.tensor([p]), **{cache_kwarg(llama): cache}, max_new_tokens=4, do_sample=False
             )
-        assert old[0, 50:].tolist() == want
+        assert out[0, 50:].tolist() == want
         # model(...) itself continues from the restored cache with the rest of the prompt.
         cache, n = kv.restore(p)
         with torch.no_grad():
-            logits = llama(torch.tensor([p[n:]]), cache=cache).logits
+            logits = llama(torch.tensor([p[n:]]), **{cache_kwarg(llama): cache}).logits
         with torch.no_grad():
-            straight = llama(torch.tensor([p[n:]]), cache=prefill(llama, p[:n])).logits
+            straight = llama(
+                torch.tensor([p[n:]]), **{cache_kwarg(llama): prefill(llama, p[:n])}
+            ).logits
         assert torch.equal(bits(logits), bits(straight))
 
 
@@ -317,7 +319,7 @@ def test_checkpoint_stores_what_the_cache_holds_and_the_pending_token(
         with torch.no_grad():
             out = llama.generate(
                 torch.tensor([p]),
-                cache=(gen := prefill(llama, p[:50])),
+                **{cache_kwarg(llama): (gen := prefill(llama, p[:50]))},
                 max_new_tokens=3,
                 do_sample=False,
             )
@@ -526,6 +528,6 @@ def test_cuda_offloaded_cache_is_refused(model_dirs: dict[str, str], env: Env) -
     p = prompt(20)
     cache = DynamicCache(config=model.config, offloading=True)
     with torch.no_grad():
-        model(torch.tensor([p], device="cuda"), cache=cache)
+        model(torch.tensor([p], device="cuda"), **{cache_kwarg(model): cache})
     with adapter(model, env) as kv, pytest.raises(UnsupportedModelError, match="offloaded"):
         kv.checkpoint(p, cache)

@@ -39,6 +39,7 @@ from restore.engines.hf.identity import (
 from restore.engines.hf.models import (
     DEMO_MODEL,
     GreedyRun,
+    cache_kwarg,
     greedy,
     load_model,
     save_random_model,
@@ -48,6 +49,7 @@ __all__ = [
     "DEMO_MODEL",
     "GreedyRun",
     "HFAdapter",
+    "cache_kwarg",
     "check_cache",
     "check_supported",
     "execution_variant",

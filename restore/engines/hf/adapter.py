@@ -104,7 +104,7 @@ class HFAdapter:
 
         At most `len(input_ids) - 1` positions are restored, so the model always
         computes the last prompt token's logits. On a miss the cache is empty
-        and the length 0. Pass the cache as `cache=` (or `past_key_values=`)
+        and the length 0. Pass the cache (as `cache_kwarg(model)` names it)
         with the whole `input_ids` to `model.generate`; call `model(...)` with
         `input_ids[:, n:]`. `last_restore` keeps the report.
         """

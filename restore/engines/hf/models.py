@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,12 @@ class GreedyRun:
     first_token_s: float
 
 
+def cache_kwarg(model: PreTrainedModel) -> str:
+    """The name `model`'s forward takes its cache by: `cache` (newer transformers 5.x, which
+    deprecates the other) or `past_key_values` (earlier 5.x, which ignores `cache=`)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def greedy(
     model: PreTrainedModel, input_ids: object, cache: DynamicCache, start: int, new_tokens: int
@@ -58,7 +65,8 @@ def greedy(
     t0 = time.perf_counter()
     x = torch.tensor(ids[start:].astype(np.int64), device=model.device).unsqueeze(0)
     # Logits of the last position only: a long prompt's full logits would not fit in memory.
-    logits = model(x, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+    key = cache_kwarg(model)
+    logits = model(x, **{key: cache}, use_cache=True, logits_to_keep=1).logits[0, -1]
     first = time.perf_counter() - t0
     out: list[int] = []
     seen: list[np.ndarray[Any, Any]] = []
@@ -67,7 +75,8 @@ def greedy(
         out.append(int(torch.argmax(logits)))
         if len(out) < new_tokens:
             x = torch.tensor([[out[-1]]], device=model.device)
-            logits = model(x, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+            key = cache_kwarg(model)
+    logits = model(x, **{key: cache}, use_cache=True, logits_to_keep=1).logits[0, -1]
     return GreedyRun(out, seen, first)
 
 
