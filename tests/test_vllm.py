@@ -381,9 +381,15 @@ def test_unsupported_configurations_are_refused_by_name(model_dir: Path, tmp_pat
 def test_llm_generates_the_same_tokens_with_the_connector(model_dir: Path, tmp_path: Path) -> None:
     from vllm import LLM
 
-    prompt = {"prompt_token_ids": list(np.random.default_rng(0).integers(1, 500, 300))}
+    prompt = {"prompt_token_ids": [int(t) for t in np.random.default_rng(0).integers(1, 500, 300)]}
     greedy = SamplingParams(max_tokens=16, temperature=0.0)
-    plain = LLM(model=str(model_dir), dtype="float16", skip_tokenizer_init=True, enable_prefix_caching=False)
+    plain = LLM(
+        model=str(model_dir),
+        dtype="float16",
+        skip_tokenizer_init=True,
+        enable_prefix_caching=False,
+        gpu_memory_utilization=0.3,
+    )
     want = plain.generate([prompt], greedy)[0].outputs[0].token_ids
     del plain
     kv = vllm_config(model_dir, tmp_path).kv_transfer_config
@@ -393,10 +399,14 @@ def test_llm_generates_the_same_tokens_with_the_connector(model_dir: Path, tmp_p
             dtype="float16",
             skip_tokenizer_init=True,
             enable_prefix_caching=False,
+            gpu_memory_utilization=0.3,
             kv_transfer_config=kv,
         )
         assert llm.generate([prompt], greedy)[0].outputs[0].token_ids == want
         del llm
+    cat = Catalog.open(f"sqlite:///{tmp_path / 'catalog.db'}")
+    assert int(cat.stats("vllm")["chunks"]) > 0  # the first run saved the prompt's blocks
+    cat.close()
 
 
 def test_the_connector_works_through_a_kvc_service(model_dir: Path, tmp_path: Path) -> None:
