@@ -31,6 +31,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheConfig,
     KVCacheGroupSpec,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
@@ -284,6 +285,12 @@ def test_vllms_scheduler_loads_the_stored_prefix_in_whole_blocks(model_dir: Path
     assert list(load.block_ids) == list(new["hit"].block_ids[0])
     assert out.num_scheduled_tokens["hit"] == len(prompt) - 192
     assert out.num_scheduled_tokens["miss"] == 40
+    # vLLM's hit metrics count these tokens under the disk source.
+    connector = sched.get_kv_connector()
+    assert connector is not None
+    assert connector.get_external_cache_hit_sources(sched.requests["hit"], 192) == {
+        CacheHitSource.DISK: 192
+    }
     sched.shutdown()
 
 

@@ -48,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from catalog import AttentionLayout, Fingerprint
 from catalog.base import CatalogAPI
@@ -283,6 +284,9 @@ def layer_views(
 
 class KvcConnector(KVConnectorBase_V1):
     """kvc's vLLM v1 KV connector (see the module docstring)."""
+
+    # vLLM's hit metrics by source: kvc's chunks come from a local directory or an object store.
+    _cache_hit_source = CacheHitSource.DISK
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
