@@ -55,7 +55,7 @@ class Catalog(Namespaces, Publishing, Lookups, Replicas, Names, Lineage):
         `CatalogInputError`: malformed URL; `CatalogUnavailableError`: the
         database cannot be reached; `SchemaVersionError`: run `kvc db upgrade`.
         """
-        engine = database.create_engine(url, pool_size=pool_size)
+        engine = database.create_engine(url, pool_size=pool_size, create=upgrade)
         try:
             if upgrade:
                 database.upgrade(engine)

@@ -26,8 +26,21 @@ def safe_url(url: str | sa.URL) -> str:
         return "<malformed URL>"
 
 
-def create_engine(url: str, *, pool_size: int = 5) -> Engine:
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def _is_sqlite_file(path: Path) -> bool:
+    """An empty file (created, never written) or one starting with SQLite's header."""
+    with path.open("rb") as f:
+        head = f.read(len(SQLITE_MAGIC))
+    return head in (b"", SQLITE_MAGIC)
+
+
+def create_engine(url: str, *, pool_size: int = 5, create: bool = True) -> Engine:
     """An engine for `sqlite:///path` or `postgresql+psycopg://...`, configured for the catalog.
+
+    `create=False` (reading a catalog): a SQLite file that does not exist, or is not a
+    SQLite database, is a `SchemaVersionError` and nothing is created.
 
     `pool_size`: connections kept open; up to twice as many more are opened under load and
     closed again (size it to the threads that use the catalog at once)."""
@@ -47,8 +60,15 @@ def create_engine(url: str, *, pool_size: int = 5) -> Engine:
                 "an in-memory SQLite catalog would vanish on close; give a file path: sqlite:///PATH"
             )
         db_path = Path(parsed.database)
-        if not db_path.parent.exists():
+        if create and not db_path.parent.exists():
             raise CatalogError(f"directory {db_path.parent} of SQLite catalog does not exist")
+        if not create and not db_path.exists():
+            raise SchemaVersionError(
+                f"catalog {safe_url(url)} does not exist; run `kvc init` (or `kvc db upgrade`) "
+                "to create it"
+            )
+        if not create and not _is_sqlite_file(db_path):
+            raise SchemaVersionError(f"catalog {safe_url(url)} is not a SQLite database")
         engine = sa.create_engine(parsed, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S}, **pool)
 
         @sa.event.listens_for(engine, "connect")

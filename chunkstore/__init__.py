@@ -13,7 +13,7 @@ from chunkstore.errors import (
     StoreURLError,
     StoreWriteError,
 )
-from chunkstore.registry import open_store
+from chunkstore.registry import check_store_url, open_store
 
 __all__ = [
     "TIERS",
@@ -29,6 +29,7 @@ __all__ = [
     "StoreUnavailableError",
     "StoreWriteError",
     "Tier",
+    "check_store_url",
     "open_store",
     "parse_tier",
     "validate_key",

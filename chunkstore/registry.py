@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import urllib.parse
 from collections.abc import Callable, Mapping
@@ -158,7 +159,9 @@ def _options(
     return options
 
 
-def _open_file(parts: urllib.parse.SplitResult, overrides: Mapping[str, object]) -> ChunkStore:
+def _open_file(
+    parts: urllib.parse.SplitResult, overrides: Mapping[str, object]
+) -> Callable[[], ChunkStore]:
     from chunkstore.local import LocalStore
 
     if parts.netloc:
@@ -171,14 +174,14 @@ def _open_file(parts: urllib.parse.SplitResult, overrides: Mapping[str, object])
     if not path.startswith("/"):
         raise StoreURLError(f"file: store URL needs an absolute path, got {path!r}")
     options = _options("file", _FILE_OPTIONS, parts.query, overrides)
-    return LocalStore(path, **options)  # type: ignore[arg-type]
+    return functools.partial(LocalStore, path, **options)  # type: ignore[arg-type]
 
 
 def _open_s3(
     parts: urllib.parse.SplitResult,
     overrides: Mapping[str, object],
     session: boto3.session.Session | None,
-) -> ChunkStore:
+) -> Callable[[], ChunkStore]:
     from chunkstore.s3 import S3Store
 
     bucket = parts.netloc
@@ -191,7 +194,7 @@ def _open_s3(
         )
     prefix = "/".join(p for p in urllib.parse.unquote(parts.path).split("/") if p)
     options = _options("s3", _S3_OPTIONS, parts.query, overrides)
-    return S3Store(bucket, prefix, session=session, **options)  # type: ignore[arg-type]
+    return functools.partial(S3Store, bucket, prefix, session=session, **options)  # type: ignore[arg-type]
 
 
 def open_store(
@@ -215,6 +218,19 @@ def open_store(
     or a malformed value raises `StoreURLError`, whose message never repeats
     a credential or an unknown option's value.
     """
+    return _parse(url, session, options)()
+
+
+def check_store_url(url: str) -> None:
+    """Raise `StoreURLError` naming what is wrong if `url` is not a store URL `open_store`
+    accepts; opens, creates and connects to nothing."""
+    _parse(url, None, {})
+
+
+def _parse(
+    url: str, session: boto3.session.Session | None, options: Mapping[str, object]
+) -> Callable[[], ChunkStore]:
+    """The store `url` names, validated, as a constructor not yet called."""
     if not isinstance(url, str):
         raise StoreURLError(f"store URL must be a string, got {type(url).__name__}")
     try:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import importlib
 
 import click
 
 from kvc import __version__
+from kvc.commands.common import EXIT_PROBLEMS, EXIT_USAGE, fail
 
 # Subcommand modules, each with `register(cli)`.
 COMMAND_MODULES = (
@@ -42,5 +44,24 @@ for _name in COMMAND_MODULES:
     importlib.import_module(f"kvc.commands.{_name}").register(cli)
 
 
+# A path the user gave that cannot be used: a configuration error (exit 2), not a failure.
+_PATH_ERRNOS = frozenset(
+    {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.EROFS, errno.EEXIST}
+)
+
+
 def main() -> None:
-    cli(prog_name="kvc")
+    """`kvc`: errors nobody can fix by reading a traceback are one `kvc: error:` line."""
+    from catalog.errors import CatalogError
+    from chunkstore.errors import ChunkStoreError, StoreURLError
+
+    try:
+        cli(prog_name="kvc")
+    except (ChunkStoreError, CatalogError) as exc:  # before OSError: some are ConnectionErrors
+        fail(str(exc), EXIT_USAGE if isinstance(exc, StoreURLError) else EXIT_PROBLEMS)
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename is not None else ""
+        fail(
+            f"{where}{exc.strerror or exc}",
+            EXIT_USAGE if exc.errno in _PATH_ERRNOS else EXIT_PROBLEMS,
+        )

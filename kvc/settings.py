@@ -90,6 +90,19 @@ class Settings(BaseSettings):
             return [s.strip() for s in v.split(",") if s.strip()]
         return v
 
+    @field_validator("stores")
+    @classmethod
+    def _valid_store_urls(cls, v: list[str]) -> list[str]:
+        from chunkstore import check_store_url
+        from chunkstore.errors import StoreURLError
+
+        for url in v:
+            try:
+                check_store_url(url)
+            except StoreURLError as exc:
+                raise ValueError(str(exc)) from None
+        return v
+
     @classmethod
     def settings_customise_sources(
         cls,

@@ -44,6 +44,10 @@ def test_unknown_command_is_usage_error() -> None:
 def test_db_upgrade_and_current(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path / 'c.db'}"
     out = _kvc("db", "current", "--catalog", url, "--json")
+    assert out.returncode == 2 and "does not exist; run `kvc init`" in out.stderr
+    assert not (tmp_path / "c.db").exists()  # reading creates nothing
+    (tmp_path / "c.db").touch()  # an empty database: no schema yet
+    out = _kvc("db", "current", "--catalog", url, "--json")
     assert out.returncode == 1
     doc = json.loads(out.stdout)
     assert doc["current"] is None and doc["up_to_date"] is False
@@ -53,6 +57,42 @@ def test_db_upgrade_and_current(tmp_path: Path) -> None:
     assert again.returncode == 0 and json.loads(again.stdout)["from"] == HEAD
     cur = _kvc("db", "current", "--json", env={"KVC_CATALOG_URL": url})
     assert cur.returncode == 0 and json.loads(cur.stdout)["up_to_date"] is True
+    human = _kvc("db", "current", "--catalog", url)
+    assert human.returncode == 0 and f"schema {HEAD} (the latest)" in human.stdout
+
+
+def test_reading_a_missing_or_foreign_catalog_creates_nothing_and_exits_2(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    for args in (("stats",), ("log", "x"), ("db", "current")):
+        out = _kvc(*args, env={"KVC_HOME": str(home)})
+        assert out.returncode == 2, (args, out.stderr)
+        assert out.stderr.startswith("kvc: error: catalog") and "does not exist" in out.stderr
+        assert not home.exists()
+    garbage = tmp_path / "garbage.db"
+    garbage.write_bytes(b"not a database at all")
+    for args in (("stats",), ("db", "current")):
+        out = _kvc(*args, "--catalog", f"sqlite:///{garbage}")
+        assert out.returncode == 2 and "is not a SQLite database" in out.stderr, out.stderr
+    assert garbage.read_bytes() == b"not a database at all"
+
+
+def test_filesystem_errors_are_one_line_with_a_usage_exit_code(tmp_path: Path) -> None:
+    (tmp_path / "FILE").write_text("x")
+    for home in ("/proc/kvc", str(tmp_path / "FILE" / "sub")):
+        out = _kvc("init", "--home", home)
+        assert out.returncode == 2, out.stderr
+        assert out.stderr.startswith("kvc: error:") and "Traceback" not in out.stderr
+        assert out.stderr.count("\n") == 1 and home in out.stderr
+
+
+def test_store_urls_are_validated_before_anything_is_opened(tmp_path: Path) -> None:
+    for url, why in (("s3:/x", "empty bucket name"), ("file:relative", "absolute path")):
+        out = _kvc("stats", "--store", url, env={"KVC_HOME": str(tmp_path / "h")})
+        assert out.returncode == 2
+        assert out.stderr.startswith("kvc: error: invalid setting stores:") and why in out.stderr
+    out = _kvc("stats", env={"KVC_HOME": str(tmp_path / "h"), "KVC_STORES": "file:///tmp/ok,ftp://x"})
+    assert out.returncode == 2 and "unknown store URL scheme 'ftp'" in out.stderr
+    assert not (tmp_path / "h").exists()
 
 
 def test_db_errors_are_one_line_without_traceback(tmp_path: Path) -> None:

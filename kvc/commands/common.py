@@ -84,7 +84,7 @@ def settings_options(fn: F) -> F:
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(x) for x in first["loc"])
-            fail(f"invalid setting {where}: {first['msg']}", EXIT_USAGE)
+            fail(f"invalid setting {where}: {first['msg'].removeprefix('Value error, ')}", EXIT_USAGE)
         return fn(settings=settings, as_json=as_json, **kwargs)
 
     return wrapper  # type: ignore[return-value]
@@ -105,7 +105,7 @@ def open_catalog(
     from catalog.errors import CatalogError, CatalogUnavailableError, SchemaVersionError
 
     url = settings.resolved_catalog_url
-    if settings.catalog_url is None:
+    if upgrade and settings.catalog_url is None:  # only a command that creates makes the home
         settings.home.mkdir(parents=True, exist_ok=True)
     try:
         cat = Catalog.open(url, upgrade=upgrade, pool_size=pool_size)

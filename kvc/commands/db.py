@@ -16,15 +16,17 @@ def db() -> None:
     """Manage the catalog database schema (Alembic migrations)."""
 
 
-def _engine(settings: Settings) -> Any:
+def _engine(settings: Settings, *, create: bool) -> Any:
+    """The catalog's engine; with `create`, the embedded home and the SQLite file may be
+    created, else nothing is (a missing catalog is an error)."""
     from catalog import database
     from catalog.errors import CatalogError
 
     url = settings.resolved_catalog_url
-    if settings.catalog_url is None:
+    if create and settings.catalog_url is None:
         settings.home.mkdir(parents=True, exist_ok=True)
     try:
-        return database.create_engine(url)
+        return database.create_engine(url, create=create)
     except CatalogError as exc:
         fail(str(exc), EXIT_USAGE)
 
@@ -37,7 +39,7 @@ def db_upgrade(settings: Settings, as_json: bool, revision: str) -> None:
     from catalog import database
 
     url = database.safe_url(settings.resolved_catalog_url)
-    engine = _engine(settings)
+    engine = _engine(settings, create=True)
     try:
         before = database.current_revision(engine)
         database.upgrade(engine, revision)
@@ -62,7 +64,7 @@ def db_current(settings: Settings, as_json: bool) -> None:
     from catalog import database
 
     url = database.safe_url(settings.resolved_catalog_url)
-    engine = _engine(settings)
+    engine = _engine(settings, create=False)
     try:
         current = database.current_revision(engine)
         head = database.head_revision()
@@ -75,7 +77,7 @@ def db_current(settings: Settings, as_json: bool) -> None:
         as_json,
         {"catalog": url, "current": current, "head": head, "up_to_date": ok},
         f"{url}: schema {current or 'empty'}"
-        + ("" if ok else f" (this kvc needs {head}: run `kvc db upgrade`)"),
+        + (" (the latest)" if ok else f" (this kvc needs {head}: run `kvc db upgrade`)"),
     )
     if not ok:
         sys.exit(EXIT_PROBLEMS)
