@@ -111,6 +111,8 @@ class FsckReport:
     def to_dict(self) -> dict[str, Any]:
         return {
             "read_data": self.read_data,
+            # Without read_data, "ok" means present with the receipt's size, never verified.
+            "contents_verified": self.read_data,
             "stores": list(self.stores),
             "checked": self.checked,
             "ok": self.ok,

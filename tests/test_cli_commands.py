@@ -326,11 +326,20 @@ def test_fsck_read_data_finds_a_corrupt_blob(home: Home) -> None:
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF  # same size: only reading the data can tell
     path.write_bytes(bytes(data))
-    assert kvc("fsck", env=home.env).returncode == 0
+    # Without --read-data the blob is present with its size: "ok", and the summary says
+    # that the contents were not read.
+    quick = kvc("fsck", env=home.env)
+    assert quick.returncode == 0
+    assert "contents not read" in quick.stdout and "--read-data" in quick.stdout
+    quick_doc = json.loads(kvc("fsck", "--json", env=home.env).stdout)
+    assert quick_doc["contents_verified"] is False and quick_doc["corrupt"] == []
     out = kvc("fsck", "--read-data", "--json", env=home.env)
     assert out.returncode == 1, out.stderr
     doc = json.loads(out.stdout)
     assert [c["blob_key"] for c in doc["corrupt"]] == [key] and doc["read_data"] is True
+    assert doc["contents_verified"] is True
+    human = kvc("fsck", "--read-data", env=home.env)
+    assert "contents not read" not in human.stdout
     assert home.replica_state(key) == "corrupt"
     # Subsets partition the replicas.
     parts = [

@@ -108,6 +108,11 @@ def fsck(
         f"{' reading data' if read_data else ''}: {report.ok} ok, {len(report.missing)} missing, "
         f"{len(report.corrupt)} corrupt" + (f", {skipped} skipped after errors" if skipped else "")
     )
+    if not read_data:
+        lines.append(
+            "contents not read: 'ok' means present with the recorded size; "
+            "--read-data verifies every byte against its digest"
+        )
     for loc, n in report.not_checked.items():
         lines.append(f"not checked: {n} replica(s) at {loc} (not a configured store)")
     emit(as_json, doc, "\n".join(lines))
