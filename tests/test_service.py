@@ -350,9 +350,9 @@ def test_without_a_token_the_body_is_not_read(client: TestClient, cat: Catalog) 
     r = client.post("/v1/namespaces/a/chunks", content=b"\xff\xfe", headers=broken["headers"])
     assert r.status_code == 401  # was 400
     assert client.get("/v1/namespaces/a/no-such-route").status_code == 401
-    # With a token the body is read as before.
-    r = client.post("/v1/namespaces/a/lookup", content=broken["content"], headers=auth())
-    assert r.status_code == 422 and r.json()["detail"][0]["loc"][0] == "body"
+    # With a token the body is read: broken JSON is a 400 (docs/http-api.md).
+    r = client.post("/v1/namespaces/a/lookup", content=broken["content"], headers={**broken["headers"], **auth()})
+    assert r.status_code == 400 and r.json()["detail"].startswith("the body is not valid JSON")
 
 
 def test_the_document_declares_every_refusal(client: TestClient) -> None:
@@ -508,3 +508,19 @@ def test_the_catalogs_unavailability_is_503_with_retry_after(
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     assert r.json()["error"] == "CatalogUnavailableError"
     assert metrics(client)["kvc_catalog_unavailable_total"] == 1
+
+
+def test_a_body_that_is_not_json_is_400_and_json_that_fails_validation_is_422(
+    client: TestClient,
+) -> None:
+    url = "/v1/namespaces/a/lookup"
+    bad_json = client.post(
+        url, content=b"not json{", headers={**auth(), "content-type": "application/json"}
+    )
+    assert bad_json.status_code == 400
+    assert bad_json.json()["detail"].startswith("the body is not valid JSON")
+    plain = client.post(url, content=b"tokens=1,2", headers={**auth(), "content-type": "text/plain"})
+    assert plain.status_code == 400 and "send JSON" in plain.json()["detail"]
+    invalid = client.post(url, json={"tokens": "x"}, headers=auth())
+    assert invalid.status_code == 422
+    assert any(e["loc"] == ["body", "fingerprint"] for e in invalid.json()["detail"])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -94,12 +94,30 @@ def _refused(exc: Exception, status: int, **headers: str) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers or None)
 
 
+def _unreadable_body(request: Request, errors: Sequence[Any]) -> str | None:
+    """What makes the request body unreadable (malformed JSON, or a body not sent as JSON),
+    or None when it is JSON that validation refused (422)."""
+    for e in errors:
+        if e.get("type") == "json_invalid":
+            reason = (e.get("ctx") or {}).get("error", "")
+            return f"the body is not valid JSON{': ' + str(reason) if reason else ''}"
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    sent = any(tuple(e.get("loc", ()))[:1] == ("body",) for e in errors)
+    if sent and media != "application/json" and request.headers.get("content-length", "0") != "0":
+        sent_as = f"is sent as {media}" if media else "has no content type"
+        return f"the body {sent_as}: send JSON (application/json)"
+    return None
+
+
 def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     """Catalog errors onto statuses; the table is in docs/http-api.md. Starlette picks the
     handler of the nearest class in the exception's MRO, so subclasses come out right."""
 
     @app.exception_handler(RequestValidationError)
     def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        unreadable = _unreadable_body(request, exc.errors())
+        if unreadable is not None:  # 400: the body is not JSON at all (docs/http-api.md)
+            return JSONResponse({"detail": unreadable}, status_code=400)
         # As FastAPI's own handler, but a NaN or Infinity in the request can be echoed.
         return JSONResponse({"detail": _finite(jsonable_encoder(exc.errors()))}, status_code=422)
 
