@@ -375,7 +375,7 @@ def test_gc_deletes_only_old_orphans(home: Home) -> None:
     assert home.blob_path(old).exists()
     out = kvc("gc", env=home.env)
     assert out.returncode == 0, out.stderr
-    assert f"deleted {old}" in out.stdout and "deleted 1 orphan blob(s)" in out.stdout
+    assert f"deleted orphan blob {old}" in out.stdout and "deleted 1 orphan blob(s)" in out.stdout
     assert not home.blob_path(old).exists() and home.blob_path(young).exists()
     assert all(home.blob_path(k).exists() for k in catalogued)
     again = ok_json("gc", "--grace", "0", env=home.env)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,9 @@ def test_demo_again_restores_everything_and_prints_a_table(tmp_path: Path) -> No
     row = next(line for line in out.stdout.splitlines() if line.startswith("chat-0 "))
     restored = int(row.split()[2])
     assert restored > 0  # the second run finds the first run's chunks
+    # Sizes in the binary units every other command prints.
+    storage = next(line for line in out.stdout.splitlines() if line.startswith("stored by kvc"))
+    assert re.fullmatch(r"stored by kvc: [\d.]+ (B|KiB|MiB|GiB); one file per session would take [\d.]+ (B|KiB|MiB|GiB)", storage), storage
 
 
 def test_demo_on_a_transformers_model_built_locally(tmp_path: Path) -> None:

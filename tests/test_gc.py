@@ -357,6 +357,13 @@ def test_cli_gc_dry_run_lock_and_retention(cli_home: tuple[Path, str, dict[str, 
     assert all(blob_path(k).exists() for k in keys)
     dry = json.loads(kvc("gc", "--dry-run", "--max-age", "0", "--json", env=env).stdout)
     assert len(dry["retention"]["items"]) == before == 4
+    assert {"prefix", "blob_key"} <= set(dry["retention"]["items"][0])
+    # People read each chunk's two hashes with their names.
+    human = kvc("gc", "--dry-run", "--max-age", "0", env=env).stdout.splitlines()
+    purges = [line for line in human if line.startswith("would purge chunk")]
+    item = dry["retention"]["items"][0]
+    assert len(purges) == 4 and all(" prefix " in p and " blob " in p for p in purges)
+    assert any(f"prefix {item['prefix'][:16]} blob {item['blob_key'][:16]}" in p for p in purges)
     with Catalog.open(url) as cat:
         assert count(cat, "chunks") == before
         assert acquire_lock(cat, "gc", "someone else", 600)

@@ -16,6 +16,7 @@ from kvc.commands.common import (
     open_stores,
     settings_options,
 )
+from kvc.commands.format import human_bytes
 from kvc.settings import Settings
 
 
@@ -128,8 +129,8 @@ def demo(
         )
     lines += [
         "",
-        f"stored by kvc: {rep.stored_bytes / 1e6:.1f} MB; one file per session would take "
-        f"{rep.per_session_file_bytes / 1e6:.1f} MB",
+        f"stored by kvc: {human_bytes(rep.stored_bytes)}; one file per session would take "
+        f"{human_bytes(rep.per_session_file_bytes)}",
         f"time to first token with restore: {rep.restore_speedup:.1f}x faster than recomputing "
         "(sessions that restored)",
         _summary(rep),

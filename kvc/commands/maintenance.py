@@ -231,28 +231,28 @@ def _gc_lines(report: Any, namespace: str) -> list[str]:
                 f"finished an earlier run: {res.chunks_removed} chunk(s) purged, "
                 f"{len(res.blobs_deleted)} blob(s) deleted"
             )
-        lines += [f"kept bytes {k} at {loc}: {why}" for loc, k, why in res.blobs_kept]
+        lines += [f"kept blob {k} at {loc}: {why}" for loc, k, why in res.blobs_kept]
     plan = report.retention.plan
     if plan is not None:
         verb = "would purge" if report.dry_run else "purged"
         lines += [
-            f"{verb} chunk {i.prefix_hash.hex()[:16]} {i.blob_key[:16]} ({i.reason})"
+            f"{verb} chunk prefix {i.prefix_hash.hex()[:16]} blob {i.blob_key[:16]} ({i.reason})"
             for i in plan.items
         ]
         lines += [
-            f"kept quarantined {h.hex()[:16]}: a ref or demand needs it"
+            f"kept quarantined prefix {h.hex()[:16]}: a ref or demand needs it"
             for h in plan.kept_quarantined
         ]
         result = report.retention.result
         if result is not None:
-            lines += [f"kept bytes {k} at {loc}: {why}" for loc, k, why in result.blobs_kept]
+            lines += [f"kept blob {k} at {loc}: {why}" for loc, k, why in result.blobs_kept]
         lines.append(
             f"{verb} {len(plan.items)} chunk(s) of namespace {namespace}, "
             f"{human_bytes(plan.purged_bytes)}; {human_bytes(plan.bytes_after)} remain"
         )
     sweep = report.sweep
     verb = "would delete" if report.dry_run else "deleted"
-    lines += [f"{verb} {o.blob_key} at {o.store} ({o.age_s} s old)" for o in sweep.deleted]
+    lines += [f"{verb} orphan blob {o.blob_key} at {o.store} ({o.age_s} s old)" for o in sweep.deleted]
     lines.append(
         f"{verb} {len(sweep.deleted)} orphan blob(s), {human_bytes(sweep.deleted_bytes)}; "
         f"kept {sweep.kept_catalogued} catalogued, {sweep.kept_young} younger than "
