@@ -177,11 +177,17 @@ class Names:
         pending_token: int | None = None,
         actor: str | None = None,
     ) -> RefInfo:
-        """Move a ref from `expected_head` to `new_head`; a concurrent mover wins, this raises RefConflictError."""
+        """Move a ref from `expected_head` to `new_head`; a concurrent mover wins, this raises
+        RefConflictError. A move that changes nothing (same head, same pending token) writes
+        nothing and records no event."""
 
         def run() -> RefInfo:
             with self.db.write() as conn:
                 ns_id, head = self._ref_head(conn, namespace, new_head)
+                if expected_head == new_head:
+                    ref = self._get_ref(conn, namespace, ns_id, name)
+                    if ref.head_hash == new_head and ref.pending_token == pending_token:
+                        return ref
                 hold(conn, [ns_id], {new_head}, "that the ref would name")
                 res = conn.execute(
                     sa.update(Ref)

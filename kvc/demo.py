@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from collections.abc import Callable
@@ -11,7 +12,7 @@ from typing import Any, Protocol
 import blake3
 import numpy as np
 
-from catalog import Catalog
+from catalog import Catalog, RefConflictError
 from catalog.base import CatalogAPI
 from chunkstore import ChunkStore
 from restore.checkpoint import Checkpointer
@@ -282,7 +283,11 @@ def run_demo(
     try:
         for i, q in enumerate(questions):
             session(f"chat-{i}", system + q)
-        # A forked conversation: chat-0 went on with a follow-up question.
+        # A forked conversation: chat-0 went on with a follow-up question. The fork's ref
+        # starts at chat-0's head and remembers it (an earlier run's fork is kept as it is).
+        fork = f"{namespace}/chat-0-fork"
+        with contextlib.suppress(RefConflictError):
+            catalog.fork_ref(namespace, f"{namespace}/chat-0", fork, actor="kvc demo")
         session("chat-0-fork", history["chat-0"] + follow_up)
     finally:
         engine.close()

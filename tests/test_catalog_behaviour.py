@@ -274,6 +274,16 @@ def test_refs_compare_and_swap(impl: Impl) -> None:
         cat.create_ref(NS, "chat", FP, b)
     moved = cat.update_ref(NS, "chat", expected_head=a, new_head=b, pending_token=8)
     assert moved.head_hash == b
+    # A move that changes nothing records nothing; one that changes the pending token does.
+    assert len(cat.events(namespace=NS, kind="ref.update")) == 1
+    same = cat.update_ref(NS, "chat", expected_head=b, new_head=b, pending_token=8)
+    assert (same.head_hash, same.pending_token) == (b, 8)
+    assert len(cat.events(namespace=NS, kind="ref.update")) == 1
+    cat.update_ref(NS, "chat", expected_head=b, new_head=b, pending_token=9)
+    assert cat.get_ref(NS, "chat").pending_token == 9
+    assert len(cat.events(namespace=NS, kind="ref.update")) == 2
+    with pytest.raises(RefConflictError):  # still a compare-and-swap
+        cat.update_ref(NS, "chat", expected_head=a, new_head=a, pending_token=8)
     with pytest.raises(RefConflictError) as lost:
         cat.update_ref(NS, "chat", expected_head=a, new_head=recs[2].prefix_hash)
     assert isinstance(lost.value, CatalogConflictError)

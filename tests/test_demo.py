@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from catalog.catalog import Catalog
+
 
 def _kvc(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
     exe = Path(sys.executable).parent / "kvc"
@@ -49,6 +51,14 @@ def test_demo_again_restores_everything_and_prints_a_table(tmp_path: Path) -> No
     row = next(line for line in out.stdout.splitlines() if line.startswith("chat-0 "))
     restored = int(row.split()[2])
     assert restored > 0  # the second run finds the first run's chunks
+    # The fork's ref remembers its source, and the second run moved no ref to where it was.
+    with Catalog.open(f"sqlite:///{tmp_path / 'h' / 'catalog.db'}") as cat:
+        assert cat.get_ref("demo", "demo/chat-0-fork").forked_from == "demo/chat-0"
+        updates = cat.events(namespace="demo", kind="ref.update")
+        assert updates and all(e.details["from"] != e.details["to"] for e in updates)
+    refs = json.loads(_kvc("refs", "list", "--namespace", "demo", "--json", home=tmp_path / "h").stdout)
+    listed = refs if isinstance(refs, list) else refs["refs"]
+    assert {r["name"]: r["forked_from"] for r in listed}["demo/chat-0-fork"] == "demo/chat-0"
     # Sizes in the binary units every other command prints.
     storage = next(line for line in out.stdout.splitlines() if line.startswith("stored by kvc"))
     assert re.fullmatch(r"stored by kvc: [\d.]+ (B|KiB|MiB|GiB); one file per session would take [\d.]+ (B|KiB|MiB|GiB)", storage), storage
