@@ -242,9 +242,11 @@ def run_demo(
     new_tokens: int = 8,
     hf_model: Any = None,
     progress: Callable[[str], None] | None = None,
+    on_row: Callable[[SessionRow], None] | None = None,
 ) -> DemoReport:
     """Run the demo sessions on the reference decoder, or on `hf_model` (a loaded
-    transformers model); every session is checked exact (see the engines' docstrings)."""
+    transformers model); every session is checked exact (see the engines' docstrings).
+    `progress(name)` is called as each session starts, `on_row(row)` as it finishes."""
     engine: _Engine = (
         _HFEngine(hf_model, catalog, stores, namespace, chunk_size)
         if hf_model is not None
@@ -279,6 +281,8 @@ def run_demo(
                 engine.same_as_recomputed(prompt, run, new_tokens),
             )
         )
+        if on_row is not None:
+            on_row(rows[-1])
 
     try:
         for i, q in enumerate(questions):

@@ -127,3 +127,40 @@ def test_demo_hf_without_torch_says_what_to_install(tmp_path: Path) -> None:
     assert out.stderr.startswith(
         "kvc: error: --engine hf needs torch and transformers: pip install 'kvc[hf]'"
     )
+
+
+def test_each_session_is_reported_as_it_finishes(tmp_path: Path) -> None:
+    """run_demo hands each row over before the next session starts; the command prints it
+    then (header first, rows in order, the summary after); --json stdout is one document."""
+    from chunkstore import open_store
+    from kvc.demo import run_demo
+
+    events: list[str] = []
+    with Catalog.open(f"sqlite:///{tmp_path / 'c.db'}", upgrade=True) as cat:
+        cat.ensure_namespace("demo", 256)
+        store = open_store(f"file://{tmp_path / 'blobs'}")
+        run_demo(
+            cat,
+            [store],
+            namespace="demo",
+            chunk_size=256,
+            page_size=16,
+            system_tokens=300,
+            sessions=2,
+            new_tokens=2,
+            progress=lambda name: events.append(f"start {name}"),
+            on_row=lambda row: events.append(f"done {row.session}"),
+        )
+        store.close()
+    assert events == [
+        "start chat-0", "done chat-0", "start chat-1", "done chat-1",
+        "start chat-0-fork", "done chat-0-fork",
+    ]
+    args = ("--sessions", "2", "--system-tokens", "300", "--new-tokens", "2")
+    out = _kvc("demo", *args, home=tmp_path / "h").stdout.splitlines()
+    header = next(i for i, line in enumerate(out) if line.startswith("session "))
+    rows = [line.split()[0] for line in out[header + 1 :] if line.startswith("chat-")]
+    assert rows == ["chat-0", "chat-1", "chat-0-fork"]
+    assert out.index(next(x for x in out if x.startswith("stored by kvc"))) > header + 3
+    doc = json.loads(_kvc("demo", *args, "--json", home=tmp_path / "h").stdout)
+    assert [s["session"] for s in doc["sessions"]] == rows

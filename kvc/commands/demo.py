@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -18,6 +18,9 @@ from kvc.commands.common import (
 )
 from kvc.commands.format import human_bytes
 from kvc.settings import Settings
+
+if TYPE_CHECKING:
+    from kvc.demo import SessionRow
 
 
 @click.command(
@@ -101,6 +104,20 @@ def demo(
             bar.set_postfix_str(name)
             bar.update(1)
 
+        def on_row(row: SessionRow) -> None:  # each session's row as soon as it is done
+            if not as_json:
+                bar.write(_row(row), file=sys.stdout)
+                sys.stdout.flush()
+
+        if not as_json:
+            label = "reference" if hf_model is None else f"transformers {type(hf_model).__name__}"
+            for line in (
+                f"kvc demo ({label}): namespace {namespace!r}, catalog {cat.url}, "
+                f"stores {', '.join(s.name for s in stores)}",
+                "",
+                HEADER,
+            ):
+                click.echo(line)
         rep = run_demo(
             cat,
             stores,
@@ -112,22 +129,12 @@ def demo(
             new_tokens=new_tokens,
             hf_model=hf_model,
             progress=progress,
+            on_row=on_row,
         )
         bar.close()
     for s in stores:
         s.close()
     lines = [
-        f"kvc demo ({rep.engine}): namespace {rep.namespace!r}, catalog {rep.catalog}, "
-        f"stores {', '.join(rep.stores)}",
-        "",
-        f"{'session':<14}{'prompt':>8}{'restored':>10}{'recomputed':>12}{'TTFT ms':>10}{'no-kvc ms':>11}  verified",
-    ]
-    for r in rep.sessions:
-        lines.append(
-            f"{r.session:<14}{r.prompt_tokens:>8}{r.restored:>10}{r.recomputed:>12}{r.ttft_ms:>10.1f}"
-            f"{r.straight_ttft_ms:>11.1f}  {_verdict(r.exact)}"
-        )
-    lines += [
         "",
         f"stored by kvc: {human_bytes(rep.stored_bytes)}; one file per session would take "
         f"{human_bytes(rep.per_session_file_bytes)}",
@@ -155,6 +162,16 @@ def _summary(rep: Any) -> str:
 
 def _verdict(exact: bool | None) -> str:
     return "verified" if exact is None else "exact" if exact else "NOT EXACT"
+
+
+HEADER = f"{'session':<14}{'prompt':>8}{'restored':>10}{'recomputed':>12}{'TTFT ms':>10}{'no-kvc ms':>11}  verified"
+
+
+def _row(r: SessionRow) -> str:
+    return (
+        f"{r.session:<14}{r.prompt_tokens:>8}{r.restored:>10}{r.recomputed:>12}{r.ttft_ms:>10.1f}"
+        f"{r.straight_ttft_ms:>11.1f}  {_verdict(r.exact)}"
+    )
 
 
 def _load_hf_model(settings: Settings, model_path: str | None, as_json: bool) -> Any:
