@@ -1,0 +1,34 @@
+"""README.md's code runs as written (so it never drifts from the code)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+
+
+def test_the_readme_has_python_to_run() -> None:
+    assert BLOCKS, "README.md lost its python example"
+
+
+@pytest.mark.parametrize("code", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
+def test_a_readme_python_block_runs_in_a_fresh_directory(code: str, tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert "restored 600 of 640 tokens, verified" in out.stdout
+    assert (tmp_path / "kvc-example" / "catalog.db").is_file()  # under the working directory
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    commands = re.findall(r"```sh\n(python3 -m venv .*?)\n```", README.read_text())
+    assert len(commands) == 2  # the demo, the test suite
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert commands[1] in ci
