@@ -121,5 +121,9 @@ def test_connect_opens_a_service_or_a_database_by_url(
         connect(base_url)
     with pytest.raises(CatalogInputError, match="empty"):
         connect(" ")
-    with pytest.raises(SchemaVersionError, match="no kvc schema"):  # never migrated on open
+    with pytest.raises(SchemaVersionError, match="does not exist"):  # nothing created on open
         connect(f"sqlite:///{tmp_path / 'other.db'}")
+    assert not (tmp_path / "other.db").exists()
+    (tmp_path / "empty.db").touch()
+    with pytest.raises(SchemaVersionError, match="no kvc schema"):  # never migrated on open
+        connect(f"sqlite:///{tmp_path / 'empty.db'}")
