@@ -11,11 +11,14 @@ from pathlib import Path
 
 from catalog.catalog import Catalog
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def _kvc(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
     exe = Path(sys.executable).parent / "kvc"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVC_")}
     env["KVC_HOME"] = str(home)
+    env["PYTHONPATH"] = str(ROOT)  # this checkout's code, wherever kvc is installed from
     return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=300, env=env)
 
 
