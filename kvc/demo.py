@@ -33,6 +33,8 @@ class SessionRow:
     # None: restored from an earlier process whose KV is not here to compare with
     # (every blob was still verified against its digest and the catalog).
     exact: bool | None
+    ref: str = ""  # the ref the session's conversation is checkpointed under
+    forked_from: str | None = None  # the ref it was forked from, as the catalog records it
 
 
 @dataclass
@@ -268,7 +270,8 @@ def run_demo(
     def session(name: str, prompt: list[int]) -> None:
         step(name)
         straight = engine.straight(prompt, new_tokens)  # what the engine does without kvc
-        run = engine.with_kvc(prompt, new_tokens, f"{namespace}/{name}")
+        ref = f"{namespace}/{name}"
+        run = engine.with_kvc(prompt, new_tokens, ref)
         history[name] = prompt + run.tokens
         rows.append(
             SessionRow(
@@ -279,6 +282,8 @@ def run_demo(
                 run.ttft_s * 1e3,
                 straight.ttft_s * 1e3,
                 engine.same_as_recomputed(prompt, run, new_tokens),
+                ref,
+                catalog.get_ref(namespace, ref).forked_from,
             )
         )
         if on_row is not None:

@@ -330,16 +330,23 @@ def test_fsck_read_data_finds_a_corrupt_blob(home: Home) -> None:
     # that the contents were not read.
     quick = kvc("fsck", env=home.env)
     assert quick.returncode == 0
-    assert "contents not read" in quick.stdout and "--read-data" in quick.stdout
     quick_doc = json.loads(kvc("fsck", "--json", env=home.env).stdout)
     assert quick_doc["contents_verified"] is False and quick_doc["corrupt"] == []
+    n = quick_doc["checked"]
+    assert n == quick_doc["ok"] > 0
+    assert quick.stdout.splitlines()[-1] == (
+        f"checked {n} replica(s) in 1 store(s): {n} present (contents not read: "
+        "use --read-data to verify), 0 missing, 0 corrupt"
+    )
     out = kvc("fsck", "--read-data", "--json", env=home.env)
     assert out.returncode == 1, out.stderr
     doc = json.loads(out.stdout)
     assert [c["blob_key"] for c in doc["corrupt"]] == [key] and doc["read_data"] is True
     assert doc["contents_verified"] is True
     human = kvc("fsck", "--read-data", env=home.env)
-    assert "contents not read" not in human.stdout
+    assert human.returncode == 1 and "contents not read" not in human.stdout
+    assert f"corrupt  {key} at " in human.stdout
+    assert f"reading data: {n - 1} ok, 0 missing, 1 corrupt" in human.stdout
     assert home.replica_state(key) == "corrupt"
     # Subsets partition the replicas.
     parts = [

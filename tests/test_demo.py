@@ -11,11 +11,14 @@ from pathlib import Path
 
 from catalog.catalog import Catalog
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def _kvc(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
     exe = Path(sys.executable).parent / "kvc"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVC_")}
     env["KVC_HOME"] = str(home)
+    env["PYTHONPATH"] = str(ROOT)  # this checkout's code, wherever kvc is installed from
     return subprocess.run([str(exe), *args], capture_output=True, text=True, timeout=300, env=env)
 
 
@@ -38,6 +41,10 @@ def test_demo_json_on_a_fresh_home(tmp_path: Path) -> None:
     assert first["restored"] == 0 and first["recomputed"] == first["prompt_tokens"]
     assert all(s["restored"] >= 256 and s["exact"] for s in later)
     assert [s["session"] for s in doc["sessions"]] == ["chat-0", "chat-1", "chat-0-fork"]
+    # Each session's ref, and the fork's source as the catalog recorded it.
+    assert [(s["ref"], s["forked_from"]) for s in doc["sessions"]] == [
+        ("demo/chat-0", None), ("demo/chat-1", None), ("demo/chat-0-fork", "demo/chat-0"),
+    ]
     assert doc["stored_bytes"] < doc["per_session_file_bytes"]
     assert (tmp_path / "h" / "catalog.db").exists() and any((tmp_path / "h" / "blobs").rglob("*"))
 
@@ -51,6 +58,10 @@ def test_demo_again_restores_everything_and_prints_a_table(tmp_path: Path) -> No
     row = next(line for line in out.stdout.splitlines() if line.startswith("chat-0 "))
     restored = int(row.split()[2])
     assert restored > 0  # the second run finds the first run's chunks
+    assert (
+        "demo/chat-0-fork was forked from demo/chat-0 "
+        "(kvc show demo/chat-0-fork --namespace demo)"
+    ) in out.stdout.splitlines()
     # The fork's ref remembers its source, and the second run moved no ref to where it was.
     with Catalog.open(f"sqlite:///{tmp_path / 'h' / 'catalog.db'}") as cat:
         assert cat.get_ref("demo", "demo/chat-0-fork").forked_from == "demo/chat-0"
@@ -164,3 +175,62 @@ def test_each_session_is_reported_as_it_finishes(tmp_path: Path) -> None:
     assert out.index(next(x for x in out if x.startswith("stored by kvc"))) > header + 3
     doc = json.loads(_kvc("demo", *args, "--json", home=tmp_path / "h").stdout)
     assert [s["session"] for s in doc["sessions"]] == rows
+
+
+def _kvc_on_a_terminal(*args: str, home: Path) -> tuple[int, str, str]:
+    """Run kvc with stderr on a pseudo-terminal (as in a shell) and stdout on a pipe:
+    (exit code, stdout, what the terminal showed)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+    import threading
+
+    exe = Path(sys.executable).parent / "kvc"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVC_")}
+    env.update(KVC_HOME=str(home), PYTHONPATH=str(ROOT))
+    master, slave = pty.openpty()
+    # A new terminal is 0 columns wide: tqdm would draw an empty bar.
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    shown = bytearray()
+
+    def drain() -> None:  # the terminal must be read while kvc writes, or kvc blocks
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # EIO: every writer has closed the terminal
+                return
+            if not data:
+                return
+            shown.extend(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    with subprocess.Popen(
+        [str(exe), *args], stdout=subprocess.PIPE, stderr=slave, env=env, text=True
+    ) as proc:
+        os.close(slave)
+        stdout, _ = proc.communicate(timeout=300)
+    reader.join(timeout=60)
+    os.close(master)
+    return proc.returncode, stdout, shown.decode(errors="replace")
+
+
+def test_the_progress_line_is_on_the_terminals_stderr_and_stdout_stays_clean(
+    tmp_path: Path,
+) -> None:
+    args = ("--sessions", "1", "--system-tokens", "300", "--new-tokens", "2")
+    code, stdout, terminal = _kvc_on_a_terminal("demo", *args, home=tmp_path / "h")
+    assert code == 0, terminal
+    # The progress line went to the terminal: tqdm's bar, counting finished sessions.
+    assert "kvc demo:" in terminal and "2/2" in terminal and "session" in terminal
+    # stdout has the header, one row per session and the summary, and nothing of the bar.
+    assert "\r" not in stdout and "kvc demo:" not in stdout
+    lines = stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("session "))
+    assert [line.split()[0] for line in lines[header + 1 : header + 3]] == ["chat-0", "chat-0-fork"]
+    # --json: stdout is the JSON document alone, and no bar is drawn at all.
+    code, stdout, terminal = _kvc_on_a_terminal("demo", *args, "--json", home=tmp_path / "h")
+    assert code == 0, terminal
+    assert [s["session"] for s in json.loads(stdout)["sessions"]] == ["chat-0", "chat-0-fork"]
+    assert "kvc demo:" not in terminal

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -9,8 +10,17 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+
+
+def _run(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVC_")}
+    env["PYTHONPATH"] = str(ROOT)  # this checkout's code, wherever kvc is installed from
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300, env=env
+    )
 
 
 def test_the_readme_has_python_to_run() -> None:
@@ -19,16 +29,20 @@ def test_the_readme_has_python_to_run() -> None:
 
 @pytest.mark.parametrize("code", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
 def test_a_readme_python_block_runs_in_a_fresh_directory(code: str, tmp_path: Path) -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300
-    )
+    out = _run(code, tmp_path)
     assert out.returncode == 0, out.stderr
     assert "restored 600 of 640 tokens, verified" in out.stdout
     assert (tmp_path / "kvc-example" / "catalog.db").is_file()  # under the working directory
+    # Run again where it ran: it finds what it made and still works.
+    again = _run(code, tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "restored 600 of 640 tokens, verified" in again.stdout
 
 
 def test_ci_runs_the_readme_test_command() -> None:
     commands = re.findall(r"```sh\n(python3 -m venv .*?)\n```", README.read_text())
     assert len(commands) == 2  # the demo, the test suite
+    # The first thing a reader runs, exactly (pip installs, then the demo).
+    assert commands[0] == "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/kvc demo"
     ci = (README.parent / ".ci" / "run").read_text()
     assert commands[1] in ci

@@ -521,6 +521,40 @@ def test_a_body_that_is_not_json_is_400_and_json_that_fails_validation_is_422(
     assert bad_json.json()["detail"].startswith("the body is not valid JSON")
     plain = client.post(url, content=b"tokens=1,2", headers={**auth(), "content-type": "text/plain"})
     assert plain.status_code == 400 and "send JSON" in plain.json()["detail"]
+    # Sent in chunks (no Content-Length), still not JSON: 400, and the body is not echoed.
+    chunked = client.post(
+        url, content=iter([b"secret=", b"1"]), headers={**auth(), "content-type": "text/plain"}
+    )
+    assert chunked.status_code == 400 and "secret" not in chunked.text
     invalid = client.post(url, json={"tokens": "x"}, headers=auth())
     assert invalid.status_code == 422
     assert any(e["loc"] == ["body", "fingerprint"] for e in invalid.json()["detail"])
+    # Another JSON media type is read as JSON: its validation is a 422 too, not a 400.
+    merge = client.post(
+        url,
+        content=b'{"tokens": "x"}',
+        headers={**auth(), "content-type": "application/merge-patch+json"},
+    )
+    assert merge.status_code == 422
+    assert any(e["loc"] == ["body", "fingerprint"] for e in merge.json()["detail"])
+    # No body where one is required is a validation error (the field `body` is missing).
+    empty = client.post(url, content=b"", headers={**auth(), "content-type": "application/json"})
+    assert empty.status_code == 422 and empty.json()["detail"][0]["loc"] == ["body"]
+    # A query parameter that fails validation is a 422 naming it.
+    bad_query = client.get("/v1/namespaces/a/events?limit=many", headers=auth())
+    assert bad_query.status_code == 422
+    assert bad_query.json()["detail"][0]["loc"] == ["query", "limit"]
+
+
+def test_every_route_with_a_body_declares_400_and_413(client: TestClient) -> None:
+    """Any body may be unreadable (400) or over the byte limit (413): the document says so."""
+    paths = client.get("/openapi.json").json()["paths"]
+    with_body = [
+        (path, method, op["responses"])
+        for path, ops in paths.items()
+        for method, op in ops.items()
+        if "requestBody" in op
+    ]
+    assert len(with_body) > 10
+    for path, method, responses in with_body:
+        assert {"400", "413", "422"} <= set(responses), (method, path)

@@ -101,13 +101,14 @@ def demo(
         )
 
         def progress(name: str) -> None:  # called as each session starts
-            bar.set_postfix_str(name)
-            bar.update(1)
+            bar.set_postfix_str(f"{name} running")
 
         def on_row(row: SessionRow) -> None:  # each session's row as soon as it is done
             if not as_json:
-                bar.write(_row(row), file=sys.stdout)
+                bar.write(_row(row), file=sys.stdout)  # clears the bar, prints, redraws it
                 sys.stdout.flush()
+            bar.set_postfix_str(f"{row.session} done", refresh=False)
+            bar.update(1)
 
         if not as_json:
             label = "reference" if hf_model is None else f"transformers {type(hf_model).__name__}"
@@ -134,8 +135,13 @@ def demo(
         bar.close()
     for s in stores:
         s.close()
-    lines = [
-        "",
+    lines = [""]
+    lines += [
+        f"{r.ref} was forked from {r.forked_from} (kvc show {r.ref} --namespace {rep.namespace})"
+        for r in rep.sessions
+        if r.forked_from is not None
+    ]
+    lines += [
         f"stored by kvc: {human_bytes(rep.stored_bytes)}; one file per session would take "
         f"{human_bytes(rep.per_session_file_bytes)}",
         f"time to first token with restore: {rep.restore_speedup:.1f}x faster than recomputing "

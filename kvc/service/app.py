@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -94,16 +94,17 @@ def _refused(exc: Exception, status: int, **headers: str) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers or None)
 
 
-def _unreadable_body(request: Request, errors: Sequence[Any]) -> str | None:
+def _unreadable_body(request: Request, exc: RequestValidationError) -> str | None:
     """What makes the request body unreadable (malformed JSON, or a body not sent as JSON),
     or None when it is JSON that validation refused (422)."""
-    for e in errors:
+    for e in exc.errors():
         if e.get("type") == "json_invalid":
             reason = (e.get("ctx") or {}).get("error", "")
             return f"the body is not valid JSON{': ' + str(reason) if reason else ''}"
-    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    sent = any(tuple(e.get("loc", ()))[:1] == ("body",) for e in errors)
-    if sent and media != "application/json" and request.headers.get("content-length", "0") != "0":
+    # FastAPI parses a body as JSON only when sent as application/json (or */*+json);
+    # otherwise it hands the route's model the raw bytes, which no model accepts.
+    if isinstance(exc.body, bytes | bytearray) and exc.body:
+        media = request.headers.get("content-type", "").split(";")[0].strip().lower()
         sent_as = f"is sent as {media}" if media else "has no content type"
         return f"the body {sent_as}: send JSON (application/json)"
     return None
@@ -115,7 +116,7 @@ def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
 
     @app.exception_handler(RequestValidationError)
     def on_invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        unreadable = _unreadable_body(request, exc.errors())
+        unreadable = _unreadable_body(request, exc)
         if unreadable is not None:  # 400: the body is not JSON at all (docs/http-api.md)
             return JSONResponse({"detail": unreadable}, status_code=400)
         # As FastAPI's own handler, but a NaN or Infinity in the request can be echoed.

@@ -57,7 +57,7 @@ def _refusal(description: str, model: Any = ErrorModel, **more: Any) -> dict[str
 # What each status means on this API, declared in the OpenAPI document for the
 # routes that can answer it (schemathesis holds the service to that document).
 _REFUSALS: dict[int, dict[str, Any]] = {
-    400: _refusal("The body could not be read"),
+    400: _refusal("The body is not JSON: malformed, or not sent as application/json"),
     401: _refusal(
         "No bearer token, or one of no namespace",
         headers={"WWW-Authenticate": {"schema": {"type": "string"}, "required": True}},
@@ -67,7 +67,7 @@ _REFUSALS: dict[int, dict[str, Any]] = {
         "A ref moved or exists already, or GC is purging what the call names (`Retry-After`)",
         headers={"Retry-After": {"schema": {"type": "string"}, "required": False}},
     ),
-    413: _refusal("More tokens than this service's limit"),
+    413: _refusal("More tokens than this service's limit, or a body over its byte limit"),
     422: _refusal(
         "Invalid input: each field named by `loc`, or the catalog's refusal with its `error`",
         model=InvalidRequestModel | ErrorModel,
@@ -76,6 +76,7 @@ _REFUSALS: dict[int, dict[str, Any]] = {
 
 
 def refusals(*statuses: int, body: bool = True) -> dict[int | str, dict[str, Any]]:
-    """The refusals of a namespace route: 401, 404 and 422, 400 with a body, and `statuses`."""
-    codes = sorted({401, 404, 422, *statuses, *((400,) if body else ())})
+    """The refusals of a namespace route: 401, 404 and 422; with a body 400 (not JSON) and
+    413 (over the byte limit, `BodyLimit`); and `statuses`."""
+    codes = sorted({401, 404, 422, *statuses, *((400, 413) if body else ())})
     return {code: _REFUSALS[code] for code in codes}
