@@ -29,7 +29,13 @@ from catalog.models import Shard
 from catalog.remote import RemoteCatalog
 from chunkstore import ChunkStore, open_store
 from kvc.service import create_app, hash_token
-from restore.engines.hf import HFAdapter, cache_kwarg, model_fingerprint, save_random_model
+from restore.engines.hf import (
+    HFAdapter,
+    cache_kwarg,
+    greedy,
+    model_fingerprint,
+    save_random_model,
+)
 from restore.errors import InputError, UnsupportedModelError
 from tests.hf_worker import CONFIGS, cache_digests, generate, load, prefill
 from tests.services import serve_in_thread
@@ -531,3 +537,23 @@ def test_cuda_offloaded_cache_is_refused(model_dirs: dict[str, str], env: Env) -
         model(torch.tensor([p], device="cuda"), **{cache_kwarg(model): cache})
     with adapter(model, env) as kv, pytest.raises(UnsupportedModelError, match="offloaded"):
         kv.checkpoint(p, cache)
+
+
+def test_greedy_decodes_like_generate_and_leaves_the_cache_one_short(llama: PreTrainedModel) -> None:
+    """The demo's and benches' decoding: the same tokens as transformers' own greedy generate,
+    and the cache holds every position but the last generated token's."""
+    p = prompt(30)
+    run = greedy(llama, p, llama_cache(llama), 0, 5)
+    with torch.no_grad():
+        want = llama.generate(torch.tensor([p]), max_new_tokens=5, do_sample=False)[0, 30:]
+    assert run.tokens == want.tolist()
+    for new_tokens, held in ((0, 30), (1, 30), (3, 32)):  # decoded tokens fed back: all but the last
+        cache = llama_cache(llama)
+        greedy(llama, p, cache, 0, new_tokens)
+        assert cache.get_seq_length() == held, new_tokens
+
+
+def llama_cache(model: PreTrainedModel) -> Any:
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)

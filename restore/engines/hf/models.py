@@ -75,8 +75,7 @@ def greedy(
         out.append(int(torch.argmax(logits)))
         if len(out) < new_tokens:
             x = torch.tensor([[out[-1]]], device=model.device)
-            key = cache_kwarg(model)
-    logits = model(x, **{key: cache}, use_cache=True, logits_to_keep=1).logits[0, -1]
+            logits = model(x, **{key: cache}, use_cache=True, logits_to_keep=1).logits[0, -1]
     return GreedyRun(out, seen, first)
 
 
