@@ -236,8 +236,8 @@ def check_schema(engine: Engine, url: str) -> None:
 
 def has_schema(url: str) -> bool:
     """Whether a kvc catalog schema exists at `url`, creating nothing (a missing or empty
-    SQLite file is no catalog). `CatalogError` for a malformed URL; the database's own
-    error when it cannot be reached."""
+    SQLite file is no catalog). `CatalogError` for a malformed URL or a SQLite file that is
+    not a database; the database's own error when it cannot be reached."""
     try:
         parsed = make_url(url)
     except ArgumentError:
@@ -246,7 +246,7 @@ def has_schema(url: str) -> bool:
         path = Path(parsed.database or "")
         if not path.is_file() or path.stat().st_size == 0:
             return False
-    engine = create_engine(url)
+    engine = create_engine(url, create=False)  # a SQLite file that is not a database says so
     try:
         return current_revision(engine) is not None
     finally:

@@ -88,7 +88,8 @@ def cli() -> None:
 
     Configuration: flags, then KVC_* environment variables, then ./kvc.toml (or
     KVC_CONFIG), then defaults: a SQLite catalog and a local store in ./.kvc.
-    Exit codes: 0 ok, 1 problems found or the command failed, 2 usage error."""
+    Exit codes: 0 ok, 1 problems found or the command failed, 2 usage or
+    configuration error (see docs/cli.md)."""
 
 
 for _name in COMMAND_MODULES:
