@@ -325,3 +325,14 @@ def test_settings_precedence_flag_env_file(tmp_path: Path) -> None:
     assert json.loads(out.stdout)["namespace"] == "from-flag"
     bad = _kvc("init", env={**env, "KVC_CHUNK_SIZE": "-1"})
     assert bad.returncode == 2 and "chunk_size" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_sizes_are_binary_units_everywhere() -> None:
+    from chunkstore.units import human_bytes, human_rate
+    from kvc.commands import format as fmt
+
+    assert fmt.human_bytes is human_bytes  # one helper for every command
+    cases = {0: "0 B", 1023: "1023 B", 1024: "1.0 KiB", 1536: "1.5 KiB", 64 << 20: "64.0 MiB"}
+    assert {n: human_bytes(n) for n in cases} == cases
+    assert human_bytes(3 << 40) == "3.0 TiB" and human_bytes(5 << 50) == "5120.0 TiB"
+    assert human_rate(20e6) == "19.1 MiB/s"
