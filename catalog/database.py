@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
+import sqlite3
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
@@ -29,18 +31,67 @@ def safe_url(url: str | sa.URL) -> str:
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
 
-def _is_sqlite_file(path: Path) -> bool:
-    """An empty file (created, never written) or one starting with SQLite's header."""
-    with path.open("rb") as f:
-        head = f.read(len(SQLITE_MAGIC))
-    return head in (b"", SQLITE_MAGIC)
+def _check_sqlite_catalog(path: Path, url: str) -> None:
+    """Refuse, creating nothing, a SQLite catalog to read that is missing or is not a SQLite
+    database: the same configuration error (`SchemaVersionError`) as a missing schema."""
+    where = safe_url(url)
+    if not path.exists():
+        raise SchemaVersionError(
+            f"catalog {where} does not exist; run `kvc init` (or `kvc db upgrade`) to create it"
+        )
+    if path.is_dir():
+        raise SchemaVersionError(f"catalog {where} is a directory, not a SQLite database")
+    try:
+        with path.open("rb") as f:
+            head = f.read(len(SQLITE_MAGIC))
+    except OSError as exc:
+        raise CatalogError(f"cannot read catalog {where}: {exc.strerror or exc}") from exc
+    if head not in (b"", SQLITE_MAGIC):  # empty: created, never written (no schema yet)
+        raise SchemaVersionError(f"catalog {where} is not a SQLite database")
+    if not head:
+        return
+    # The header can be right and the rest not: ask SQLite itself, read-only (creates nothing).
+    try:
+        conn = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True, timeout=SQLITE_BUSY_TIMEOUT_S)
+        try:
+            conn.execute("PRAGMA schema_version").fetchone()
+        finally:
+            conn.close()
+    except sqlite3.OperationalError:
+        pass  # locked, cannot open its WAL, ...: the catalog's own connection will say
+    except sqlite3.DatabaseError as exc:
+        detail = "" if "not a database" in str(exc) else f" ({exc})"
+        raise SchemaVersionError(f"catalog {where} is not a SQLite database{detail}") from exc
+
+
+def _create_sqlite_file(path: Path, url: str) -> None:
+    """Create an empty SQLite catalog file if there is none (SQLite makes it a database), so
+    that a path that cannot be used is one clear `CatalogError`, not SQLite's 'unable to
+    open database file'."""
+    where = safe_url(url)
+    if path.is_dir():
+        raise CatalogError(f"cannot create catalog {where}: {path} is a directory")
+    if path.exists():
+        return
+    if not path.parent.exists():
+        raise CatalogError(
+            f"cannot create catalog {where}: directory {path.parent} does not exist"
+        )
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return  # someone else created it meanwhile
+    except OSError as exc:
+        raise CatalogError(f"cannot create catalog {where}: {exc.strerror or exc}") from exc
+    os.close(fd)
 
 
 def create_engine(url: str, *, pool_size: int = 5, create: bool = True) -> Engine:
     """An engine for `sqlite:///path` or `postgresql+psycopg://...`, configured for the catalog.
 
     `create=False` (reading a catalog): a SQLite file that does not exist, or is not a
-    SQLite database, is a `SchemaVersionError` and nothing is created.
+    SQLite database, is a `SchemaVersionError` and nothing is created. `create=True`: the
+    SQLite file is created if missing; a path where it cannot be is a `CatalogError`.
 
     `pool_size`: connections kept open; up to twice as many more are opened under load and
     closed again (size it to the threads that use the catalog at once)."""
@@ -60,15 +111,10 @@ def create_engine(url: str, *, pool_size: int = 5, create: bool = True) -> Engin
                 "an in-memory SQLite catalog would vanish on close; give a file path: sqlite:///PATH"
             )
         db_path = Path(parsed.database)
-        if create and not db_path.parent.exists():
-            raise CatalogError(f"directory {db_path.parent} of SQLite catalog does not exist")
-        if not create and not db_path.exists():
-            raise SchemaVersionError(
-                f"catalog {safe_url(url)} does not exist; run `kvc init` (or `kvc db upgrade`) "
-                "to create it"
-            )
-        if not create and not _is_sqlite_file(db_path):
-            raise SchemaVersionError(f"catalog {safe_url(url)} is not a SQLite database")
+        if create:
+            _create_sqlite_file(db_path, url)
+        else:
+            _check_sqlite_catalog(db_path, url)
         engine = sa.create_engine(parsed, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S}, **pool)
 
         @sa.event.listens_for(engine, "connect")
@@ -124,6 +170,27 @@ def head_revision() -> str:
     return head
 
 
+def known_revisions() -> set[str]:
+    """Every schema revision this kvc's migrations know."""
+    from alembic.script import ScriptDirectory
+
+    return {rev.revision for rev in ScriptDirectory.from_config(alembic_config()).walk_revisions()}
+
+
+SchemaState = Literal["latest", "behind", "empty", "unknown"]
+
+
+def schema_state(current: str | None) -> SchemaState:
+    """Where a database at revision `current` stands for this kvc: `latest`, `behind` (run
+    `kvc db upgrade`), `empty` (no schema yet) or `unknown` (a revision these migrations do
+    not have: a newer kvc wrote it)."""
+    if current is None:
+        return "empty"
+    if current == head_revision():
+        return "latest"
+    return "behind" if current in known_revisions() else "unknown"
+
+
 def current_revision(engine: Engine) -> str | None:
     from alembic.runtime.migration import MigrationContext
 
@@ -156,6 +223,11 @@ def check_schema(engine: Engine, url: str) -> None:
         raise SchemaVersionError(
             f"catalog {where} has no kvc schema; run `kvc db upgrade` (or `kvc init`) first"
         )
+    if schema_state(current) == "unknown":
+        raise SchemaVersionError(
+            f"catalog {where} is at schema revision {current}, which this kvc does not know "
+            f"(its latest is {head}): a newer kvc upgraded it; use that kvc"
+        )
     raise SchemaVersionError(
         f"catalog {where} is at schema revision {current}, this kvc needs {head}; "
         "run `kvc db upgrade` (back up the database first)"
@@ -164,8 +236,8 @@ def check_schema(engine: Engine, url: str) -> None:
 
 def has_schema(url: str) -> bool:
     """Whether a kvc catalog schema exists at `url`, creating nothing (a missing or empty
-    SQLite file is no catalog). `CatalogError` for a malformed URL; the database's own
-    error when it cannot be reached."""
+    SQLite file is no catalog). `CatalogError` for a malformed URL or a SQLite file that is
+    not a database; the database's own error when it cannot be reached."""
     try:
         parsed = make_url(url)
     except ArgumentError:
@@ -174,7 +246,7 @@ def has_schema(url: str) -> bool:
         path = Path(parsed.database or "")
         if not path.is_file() or path.stat().st_size == 0:
             return False
-    engine = create_engine(url)
+    engine = create_engine(url, create=False)  # a SQLite file that is not a database says so
     try:
         return current_revision(engine) is not None
     finally:

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from chunkstore.units import human_bytes, human_rate
+
 Action = Literal["fork", "restore", "recompute"]
 
 # Conservative starting rates, replaced by measurements as soon as there are any.
@@ -118,8 +120,8 @@ class Planner:
                     "restore",
                     restorable_tokens,
                     self.restore_overhead_s + fetch + rest / tps,
-                    f"restore {restorable_tokens} tokens ({restore_bytes / 1e6:.1f} MB from {tier} at "
-                    f"{rate / 1e6:,.0f} MB/s = {fetch * 1e3:.1f} ms), prefill {rest}",
+                    f"restore {restorable_tokens} tokens ({human_bytes(restore_bytes)} from {tier} "
+                    f"at {human_rate(rate)} = {fetch * 1e3:.1f} ms), prefill {rest}",
                 )
             )
         best = min(options, key=lambda o: (o.est_seconds, o.action != "fork"))

@@ -127,3 +127,19 @@ def test_connect_opens_a_service_or_a_database_by_url(
     (tmp_path / "empty.db").touch()
     with pytest.raises(SchemaVersionError, match="no kvc schema"):  # never migrated on open
         connect(f"sqlite:///{tmp_path / 'empty.db'}")
+
+
+def test_connect_reads_an_existing_sqlite_catalog_and_creates_nothing(tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "such.db"
+    with pytest.raises(SchemaVersionError, match="does not exist"):
+        connect(f"sqlite:///{missing}")
+    assert not missing.parent.exists()
+    garbage = tmp_path / "garbage.db"
+    garbage.write_bytes(b"not a database")
+    damaged = tmp_path / "damaged.db"
+    damaged.write_bytes(b"SQLite format 3\x00" + b"\xff" * 4096)
+    for path in (garbage, damaged, tmp_path):
+        with pytest.raises(SchemaVersionError, match="not a SQLite database"):
+            connect(f"sqlite:///{path}")
+    assert garbage.read_bytes() == b"not a database"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["damaged.db", "garbage.db"]

@@ -90,6 +90,19 @@ def settings_options(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def create_home(settings: Settings) -> None:
+    """Make the embedded home when the catalog is the embedded one (commands that create call
+    this); a home that cannot be made is one line, exit 2."""
+    if settings.catalog_url is not None:
+        return
+    try:
+        settings.home.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        fail(f"cannot create home {settings.home}: a file is in the way", EXIT_USAGE)
+    except OSError as exc:
+        fail(f"cannot create home {settings.home}: {exc.strerror or exc}", EXIT_USAGE)
+
+
 @contextmanager
 def open_catalog(
     settings: Settings, *, upgrade: bool = False, journal: bool = True, pool_size: int = 5
@@ -105,8 +118,8 @@ def open_catalog(
     from catalog.errors import CatalogError, CatalogUnavailableError, SchemaVersionError
 
     url = settings.resolved_catalog_url
-    if upgrade and settings.catalog_url is None:  # only a command that creates makes the home
-        settings.home.mkdir(parents=True, exist_ok=True)
+    if upgrade:  # only a command that creates makes the home
+        create_home(settings)
     try:
         cat = Catalog.open(url, upgrade=upgrade, pool_size=pool_size)
     except SchemaVersionError as exc:

@@ -7,7 +7,14 @@ from typing import Any
 
 import click
 
-from kvc.commands.common import EXIT_PROBLEMS, EXIT_USAGE, emit, fail, settings_options
+from kvc.commands.common import (
+    EXIT_PROBLEMS,
+    EXIT_USAGE,
+    create_home,
+    emit,
+    fail,
+    settings_options,
+)
 from kvc.settings import Settings
 
 
@@ -23,8 +30,8 @@ def _engine(settings: Settings, *, create: bool) -> Any:
     from catalog.errors import CatalogError
 
     url = settings.resolved_catalog_url
-    if create and settings.catalog_url is None:
-        settings.home.mkdir(parents=True, exist_ok=True)
+    if create:
+        create_home(settings)
     try:
         return database.create_engine(url, create=create)
     except CatalogError as exc:
@@ -58,9 +65,9 @@ def db_upgrade(settings: Settings, as_json: bool, revision: str) -> None:
 @db.command("current", epilog="Example: kvc db current --json")
 @settings_options
 def db_current(settings: Settings, as_json: bool) -> None:
-    """Show the catalog's schema revision and whether it is the one this kvc needs.
+    """Show the catalog's schema revision and whether it is the latest this kvc knows.
 
-    Exits 1 when the database needs `kvc db upgrade`."""
+    Exits 1 when the database needs `kvc db upgrade` (or a newer kvc)."""
     from catalog import database
 
     url = database.safe_url(settings.resolved_catalog_url)
@@ -68,16 +75,22 @@ def db_current(settings: Settings, as_json: bool) -> None:
     try:
         current = database.current_revision(engine)
         head = database.head_revision()
+        state = database.schema_state(current)
     except Exception as exc:
         fail(f"cannot read {url}: {exc.__class__.__name__}: {str(exc).splitlines()[0]}")
     finally:
         engine.dispose()
-    ok = current == head
+    ok = state == "latest"
+    why = {
+        "latest": "(the latest)",
+        "behind": f"(behind: the latest is {head}; run `kvc db upgrade`)",
+        "empty": f"(no kvc schema yet: run `kvc db upgrade` or `kvc init` to create {head})",
+        "unknown": f"(not a revision this kvc knows; its latest is {head}: a newer kvc wrote it)",
+    }[state]
     emit(
         as_json,
-        {"catalog": url, "current": current, "head": head, "up_to_date": ok},
-        f"{url}: schema {current or 'empty'}"
-        + (" (the latest)" if ok else f" (this kvc needs {head}: run `kvc db upgrade`)"),
+        {"catalog": url, "current": current, "head": head, "state": state, "up_to_date": ok},
+        f"{url}: schema {current or 'empty'} {why}",
     )
     if not ok:
         sys.exit(EXIT_PROBLEMS)

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
+from chunkstore.units import human_bytes as human_bytes  # the one size format of every output
 from kvc.commands.common import EXIT_PROBLEMS, EXIT_USAGE, fail
 
 SHORT = 12  # hex characters of a hash shown in text output
@@ -38,15 +39,6 @@ def reporting() -> Iterator[None]:
 
 def short(h: bytes | str) -> str:
     return (h.hex() if isinstance(h, bytes) else h)[:SHORT]
-
-
-def human_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
 
 
 def when(t: datetime | None) -> str:
