@@ -464,14 +464,22 @@ def test_demand_upserts(cat: Catalog) -> None:
 # -- schema ----------------------------------------------------------------
 
 
-def test_older_or_missing_schema_is_refused(catalog_url: str) -> None:
+def test_older_missing_or_newer_schema_is_refused(catalog_url: str) -> None:
+    from catalog import database
+
     with pytest.raises(SchemaVersionError, match="kvc db upgrade"):
         Catalog.open(catalog_url)
     c = Catalog.open(catalog_url, upgrade=True)
-    with c.engine.begin() as conn:
-        conn.execute(sa.text("UPDATE alembic_version SET version_num = '0000'"))
+    older = sorted(database.known_revisions() - {database.head_revision()})[-1]
+    database.downgrade(c.engine, older)
     c.close()
-    with pytest.raises(SchemaVersionError, match=r"0000.*kvc db upgrade"):
+    with pytest.raises(SchemaVersionError, match=rf"{older}, this kvc needs .*kvc db upgrade"):
+        Catalog.open(catalog_url)
+    c = Catalog.open(catalog_url, upgrade=True)
+    with c.engine.begin() as conn:  # a revision only a newer kvc knows
+        conn.execute(sa.text("UPDATE alembic_version SET version_num = '9999'"))
+    c.close()
+    with pytest.raises(SchemaVersionError, match=r"9999, which this kvc does not know.*newer kvc"):
         Catalog.open(catalog_url)
 
 
