@@ -1,4 +1,4 @@
-"""Positions to page slots: the page-span loop, copies into and out of layer-major pages, and checks of what is copied."""
+"""Positions to page slots: the page-run loop, copies into and out of layer-major pages, and checks of what is copied."""
 
 from __future__ import annotations
 
@@ -28,15 +28,36 @@ def check_range(start: int, end: int | None, length: int) -> tuple[int, int]:
     return start, end
 
 
-def page_spans(start: int, end: int, page_size: int) -> Iterator[tuple[int, int, int, int]]:
-    """Cut positions `[start, end)` at page boundaries: `(table index, first slot, count,
-    offset from start)` per piece, the one loop every copy into or out of pages runs."""
+def page_runs(
+    pages: Sequence[int], start: int, end: int, page_size: int
+) -> Iterator[tuple[int, int, int]]:
+    """Cut positions `[start, end)` of the page table `pages` into runs that are contiguous in
+    the pool's flat slot axis (`page * page_size + slot`, see `flat_slots`): `(first flat
+    slot, count, offset from start)` per run, the one loop every copy into or out of pages
+    runs. Consecutive pages (a fresh pool hands them out in order) are one run: one copy,
+    not one per page."""
+    run_at = run_len = run_off = 0
     pos = start
     while pos < end:
         idx, slot = divmod(pos, page_size)
         take = min(page_size - slot, end - pos)
-        yield idx, slot, take, pos - start
+        at = int(pages[idx]) * page_size + slot
+        if run_len and at == run_at + run_len:
+            run_len += take
+        else:
+            if run_len:
+                yield run_at, run_len, run_off
+            run_at, run_len, run_off = at, take, pos - start
         pos += take
+    if run_len:
+        yield run_at, run_len, run_off
+
+
+def flat_slots(kv: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """The pool's storage `[L, 2, pages, page_size, H, D]` as a view `[L, 2, pages * page_size,
+    H, D]` (never a copy: a storage array that cannot be viewed so raises)."""
+    layers, two, num_pages, page_size, heads, dim = kv.shape
+    return np.reshape(kv, (layers, two, num_pages * page_size, heads, dim), copy=False)
 
 
 def check_tokens(layout: AttentionLayout, k: np.ndarray[Any, Any], v: np.ndarray[Any, Any]) -> int:
@@ -79,9 +100,10 @@ def copy_in(
     page_size: int,
 ) -> None:
     """Copy `k` and `v` (`[L, n, H, D]`) to positions `[start, start + n)` of the page table `pages`."""
-    for idx, slot, take, s in page_spans(start, start + k.shape[1], page_size):
-        kv[:, 0, pages[idx], slot : slot + take] = k[:, s : s + take]
-        kv[:, 1, pages[idx], slot : slot + take] = v[:, s : s + take]
+    flat = flat_slots(kv)
+    for at, n, s in page_runs(pages, start, start + k.shape[1], page_size):
+        flat[:, 0, at : at + n] = k[:, s : s + n]
+        flat[:, 1, at : at + n] = v[:, s : s + n]
 
 
 def copy_out_kv(
@@ -112,13 +134,16 @@ def copy_out_into(
     want = (kv.shape[0], 2, end - start, kv.shape[4], kv.shape[5])
     if out.shape != want or out.dtype != kv.dtype:
         raise ValueError(f"out must be shaped {list(want)} of {kv.dtype}, got {list(out.shape)} of {out.dtype}")
-    for idx, slot, take, s in page_spans(start, end, page_size):
-        out[:, :, s : s + take] = kv[:, :, pages[idx], slot : slot + take]
+    flat = flat_slots(kv)
+    for at, n, s in page_runs(pages, start, end, page_size):
+        out[:, :, s : s + n] = flat[:, :, at : at + n]
 
 
 def page_views(
     kv: np.ndarray[Any, Any], pages: Sequence[int], start: int, end: int, page_size: int
 ) -> Iterator[np.ndarray[Any, Any]]:
-    """Views (no copies) of positions `[start, end)` of the page table `pages`, one per page piece."""
-    for idx, slot, take, _ in page_spans(start, end, page_size):
-        yield kv[:, :, pages[idx], slot : slot + take]
+    """Views (no copies) of positions `[start, end)` of the page table `pages`, one per run
+    of consecutive slots."""
+    flat = flat_slots(kv)
+    for at, n, _ in page_runs(pages, start, end, page_size):
+        yield flat[:, :, at : at + n]

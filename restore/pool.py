@@ -40,7 +40,15 @@ import numpy as np
 from catalog import AttentionLayout
 from restore.errors import PoolExhaustedError, UnknownRouteError
 from restore.lease import Lease, LeaseState
-from restore.pages import check_int, check_range, check_tokens, copy_in, copy_out_kv, page_spans
+from restore.pages import (
+    check_int,
+    check_range,
+    check_tokens,
+    copy_in,
+    copy_out_kv,
+    flat_slots,
+    page_runs,
+)
 
 __all__ = ["Lease", "PagePool"]
 
@@ -433,11 +441,13 @@ class PagePool:
         """Copy `kv` (`[L, 2, T, H, D]`, a blob payload's layout) to positions `[start, start + T)`
         of the page table `pages`, which must be pages the caller holds alone (reserved ones).
 
-        Plain slice copies page by page into the layer-major pool: no fancy indexing, no lock.
+        Plain slice copies into the layer-major pool, one per run of consecutive pages (one
+        for a fresh pool's table): no fancy indexing, no lock, and few GIL hand-offs for the
+        restore threads copying side by side.
         """
-        dst = self._kv
-        for idx, slot, take, s in page_spans(start, start + kv.shape[2], self._page_size):
-            dst[:, :, pages[idx], slot : slot + take] = kv[:, :, s : s + take]
+        flat = flat_slots(self._kv)
+        for at, n, s in page_runs(pages, start, start + kv.shape[2], self._page_size):
+            flat[:, :, at : at + n] = kv[:, :, s : s + n]
 
     def attach(
         self, route: int, pages: Iterable[int], length: int, *, durable: bool = True

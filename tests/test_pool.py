@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import threading
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from catalog import AttentionLayout
 from restore.errors import PoolExhaustedError, RestoreError, UnknownRouteError
+from restore.pages import flat_slots, page_runs
 from restore.pool import PagePool
 
 LAYERS, HEADS, DIM, PS = 2, 2, 4, 4
@@ -608,3 +612,58 @@ def test_concurrent_appends_forks_and_leases_keep_invariants() -> None:
     _assert_reads(pool, base, k, v)
     assert pool.free_pages == 62
     pool.check_invariants()
+
+
+# -- page runs: the one loop of every copy into or out of pages --------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 8).flatmap(
+        lambda size: st.tuples(
+            st.just(size),
+            st.lists(st.integers(0, 40), min_size=1, max_size=12, unique=True),
+            st.integers(0, 8 * 12),
+            st.integers(0, 8 * 12),
+        )
+    )
+)
+def test_page_runs_cover_every_position_at_its_slot_in_maximal_runs(
+    case: tuple[int, list[int], int, int],
+) -> None:
+    size, table, a, b = case
+    start, end = sorted((min(a, len(table) * size), min(b, len(table) * size)))
+    runs = list(page_runs(table, start, end, size))
+    slots = [table[p // size] * size + p % size for p in range(start, end)]
+    # Each run is its positions' slots, in order, with nothing left out or repeated ...
+    assert [at + i for at, n, _ in runs for i in range(n)] == slots
+    counts = [n for _, n, _ in runs]
+    assert [off for _, _, off in runs] == [0, *itertools.accumulate(counts)][: len(runs)]
+    # ... and no two neighbours could have been one copy.
+    assert all(at2 != at1 + n1 for (at1, n1, _), (at2, _, _) in itertools.pairwise(runs))
+    assert all(n > 0 for _, n, _ in runs)
+
+
+def test_copies_through_a_scattered_table_land_in_their_pages() -> None:
+    pool = PagePool(LAYOUT, page_size=4, num_pages=12)
+    pages = pool.reserve_pages(6)
+    scattered = [pages[i] for i in (3, 4, 5, 0, 2, 1)]  # a run of three, then single pages
+    rng = np.random.default_rng(5)
+    kv = rng.standard_normal((LAYERS, 2, 22, HEADS, DIM)).astype(F16)
+    pool.write_pages(scattered, 1, kv)  # starts mid-page, ends mid-page
+    for pos in range(1, 23):
+        page, slot = scattered[pos // 4], pos % 4
+        np.testing.assert_array_equal(pool.kv[:, :, page, slot], kv[:, :, pos - 1])
+    route = pool.new_route()
+    pool.attach(route, scattered, 23)
+    k, v = pool.read(route, 1, 23)
+    np.testing.assert_array_equal(np.stack([k, v], axis=1), kv)
+
+
+def test_flat_slots_is_a_view_or_an_error() -> None:
+    pool = PagePool(LAYOUT, page_size=4, num_pages=3)
+    flat = flat_slots(pool.kv)
+    flat[0, 1, 5] = 1
+    assert (pool.kv[0, 1, 1, 1] == 1).all()
+    with pytest.raises(ValueError):
+        flat_slots(pool.kv[:, :, ::2])  # every other page cannot be viewed flat
