@@ -201,7 +201,7 @@ def _json_ints(obj: dict[str, Any], name: str, length: int | None = None) -> tup
     value = _json_field(obj, name, list)
     if length is not None and len(value) != length:
         raise ChunkFormatError(f"header field {name!r} must have {length} items")
-    if not all(type(item) is int for item in value):
+    if not set(map(type, value)) <= {int}:  # exactly int (no bool), checked in C: 256 ids a chunk
         raise ChunkFormatError(f"header field {name!r} must hold integers only")
     return tuple(value)
 

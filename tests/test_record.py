@@ -413,6 +413,7 @@ def _forged_headers() -> list[tuple[str, bytes | object]]:
         ("float int", variant(token_start=256.0)),
         ("float in list", variant(shape=[2, 2, 3, 2, 8.0])),
         ("nested list", variant(tokens=[[1], [2], [3]])),
+        ("bool in list", variant(tokens=[1, True, 3])),
         ("object for list", variant(layers={"lo": 0, "hi": 2})),
         ("short range", variant(kv_heads=[0])),
         ("hash not hex", variant(prefix_hash="zz" * 32)),
