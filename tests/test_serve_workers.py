@@ -3,6 +3,7 @@ limits and journal, the metrics count every process's requests, and it stops cle
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -89,6 +90,7 @@ def served(tmp_path: Path) -> Iterator[Served]:
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
+        start_new_session=True,  # its own process group: the workers go with it
     )
     s = Served(proc, f"http://127.0.0.1:{port}", store_url)
     try:
@@ -96,9 +98,10 @@ def served(tmp_path: Path) -> Iterator[Served]:
         wait_for("two workers", lambda: len(s.workers()) == 2)
         yield s
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
+        # Kill the whole group: killing the server alone would orphan its worker processes.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
         assert proc.stderr is not None
         proc.stderr.close()
 
