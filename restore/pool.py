@@ -253,8 +253,7 @@ class PagePool:
                     f"cannot truncate route {route} to {n}: it holds {r.length} positions"
                 )
             keep = math.ceil(n / self._page_size)
-            for p in r.pages[keep:]:
-                self._decref(p)
+            self._drop(r.pages[keep:])
             del r.pages[keep:]
             r.length = n
             r.durable = min(r.durable, n)
@@ -290,8 +289,7 @@ class PagePool:
             state = self._leases.pop(lease_id, None)
             if state is None:
                 return
-            for p in state.pages:
-                self._decref(p)
+            self._drop(state.pages)
             r = self._routes.get(state.route)
             if r is not None:
                 r.leases -= 1
@@ -482,9 +480,8 @@ class PagePool:
         table = [int(p) for p in pages]
         with self._lock:
             self._check_reserved(table)
-            for p in table:
-                self._reserved.remove(p)
-                self._decref(p)
+            self._reserved.difference_update(table)
+            self._drop(table)
 
     def _check_reserved(self, pages: list[int]) -> None:
         if len(set(pages)) != len(pages):
@@ -558,13 +555,19 @@ class PagePool:
     def _release(self, route: int) -> None:
         r = self._get(route)
         del self._routes[route]
-        for p in r.pages:
-            self._decref(p)
+        self._drop(r.pages)
 
     def _alloc(self) -> int:
         p = self._free.pop()
         self._refcount[p] = 1
         return p
+
+    def _drop(self, pages: Sequence[int]) -> None:
+        """Drop a reference to each of `pages`, last first: the free stack then hands freed
+        pages out again in their old order, so a table that was contiguous stays contiguous
+        (and its chunks copy as one run, not page by page)."""
+        for p in reversed(pages):
+            self._decref(p)
 
     def _decref(self, page: int) -> None:
         self._refcount[page] -= 1

@@ -314,6 +314,34 @@ def test_release_drops_references() -> None:
     pool.check_invariants()
 
 
+def test_freed_pages_come_back_in_their_old_order_so_tables_stay_contiguous() -> None:
+    """A route's pages, freed by release, truncate, a lease's close or free_reserved, are
+    handed out again in the same order: a pool that restores and releases routes all day
+    keeps giving chunks consecutive pages (one copy per chunk, not one per page)."""
+    pool = _pool(num_pages=8)
+    a, _, _ = _filled(pool, 4 * PS)
+    first = pool.page_table(a)
+    assert first == (0, 1, 2, 3)
+    pool.release(a)
+    b, _, _ = _filled(pool, 4 * PS, seed=1)
+    assert pool.page_table(b) == first
+
+    pool.truncate(b, PS)
+    c, _, _ = _filled(pool, 3 * PS, seed=2)
+    assert pool.page_table(c) == first[1:]
+
+    pool.release(c)
+    pool.release(b)  # freed last, handed out first: 0, then c's 1, 2, 3
+    d, _, _ = _filled(pool, 4 * PS, seed=3)
+    assert pool.page_table(d) == first
+    with pool.lease(d):
+        pool.release(d)
+    assert pool.reserve_pages(4) == list(first)
+    pool.free_reserved(first)
+    assert pool.reserve_pages(4) == list(first)
+    pool.check_invariants()
+
+
 # -- leases ------------------------------------------------------------------------
 
 
