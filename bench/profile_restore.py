@@ -86,7 +86,7 @@ def main() -> None:
         return run
 
     fns: dict[str, Callable[[], object]] = {}
-    for width in (2, 4):
+    for width in (1, 2, 4):
         fns[f"floor {width}"] = br.floor_ops(blobs, dst, pages, width)[
             f"mmap+blake3+copy, hash 1 thread, {width} at a time"
         ]

@@ -459,7 +459,11 @@ def read_header(data: Buffer) -> ChunkHeader:
 
 
 def decode_chunk(
-    data: Buffer, *, expected_key: str | None = None, hash_threads: int | None = None
+    data: Buffer,
+    *,
+    expected_key: str | None = None,
+    hash_threads: int | None = None,
+    known_header: ChunkHeader | None = None,
 ) -> DecodedChunk:
     """Verify a whole record and decode its KV (read-only, shaped `header.shape`).
 
@@ -472,6 +476,12 @@ def decode_chunk(
     (stored bytes == raw bytes) so is the payload digest; compressed payloads
     still get their decoded bytes checked, which guards against a codec bug.
     `hash_threads`: as `blake3_hex`'s `threads`.
+
+    `known_header` (with `expected_key` only): the header of the record verified
+    before under this key. A key is the blake3 of every byte of its record, so
+    bytes that hash to it are that record again, and its header is taken as
+    known instead of parsed and checked again (a hot prefix restored again
+    costs the hash and the copy).
     """
     view = _byte_view(data)
     verified = False
@@ -482,13 +492,20 @@ def decode_chunk(
                 f"record bytes do not hash to the expected key {expected_key}"
             )
         verified = True
-    header, header_end, offset = _parse(view)
-    if len(view) != offset + header.payload_size:
-        raise ChunkFormatError(
-            f"record is {len(view)} bytes, its header says {offset + header.payload_size}"
-        )
-    if any(view[header_end:offset]):
-        raise ChunkFormatError("record padding is not zero")
+    if known_header is not None:
+        if not verified:
+            raise ValueError("a known header applies only to a record read with its expected_key")
+        header, offset = known_header, len(view) - known_header.payload_size
+        if offset <= 0:
+            raise ValueError("the known header is not this record's: its payload is longer")
+    else:
+        header, header_end, offset = _parse(view)
+        if len(view) != offset + header.payload_size:
+            raise ChunkFormatError(
+                f"record is {len(view)} bytes, its header says {offset + header.payload_size}"
+            )
+        if any(view[header_end:offset]):
+            raise ChunkFormatError("record padding is not zero")
     payload = view[offset:]
     if not verified and blake3_hex(payload, threads=hash_threads) != header.stored_blake3:
         raise ChunkIntegrityError("record payload does not match its stored_blake3")

@@ -16,10 +16,11 @@ import numpy as np
 from catalog import AttentionLayout, Fingerprint, fingerprint_hex
 from catalog.base import CatalogAPI
 from catalog.identity import token_array
+from catalog.lru import LRU
 from catalog.models import TIERS, ChunkMatch, Match, ReplicaInfo, ReplicaState, Shard, Tier
 from chunkstore import ChunkStore
 from chunkstore.errors import ChunkIntegrityError, ChunkStoreError
-from chunkstore.record import DecodedChunk, decode_chunk
+from chunkstore.record import ChunkHeader, DecodedChunk, decode_chunk
 from restore.destination import Destination, PoolDestination
 from restore.errors import RestoreError
 from restore.pool import PagePool
@@ -72,6 +73,7 @@ class Restorer:
     """
 
     DEFAULT_PARALLEL = 4  # chunks fetched and verified at once
+    DEFAULT_HEADER_CACHE = 1024  # verified headers kept (about 10 KB each for 256 tokens)
 
     def __init__(
         self,
@@ -83,7 +85,10 @@ class Restorer:
         max_parallel: int = DEFAULT_PARALLEL,
         byte_budget: int = 256 << 20,
         actor: str | None = None,
+        header_cache: int = DEFAULT_HEADER_CACHE,
     ) -> None:
+        """`header_cache`: how many verified chunk headers to keep, so a chunk restored again
+        (a hot prefix) is hashed and copied but its header not parsed again; 0 keeps none."""
         self.catalog = catalog
         self.stores = {s.name: s for s in stores}
         self.namespace = namespace
@@ -96,6 +101,10 @@ class Restorer:
         )
         self._tier_rates: dict[str, float] = {}
         self._rate_lock = threading.Lock()
+        # Headers of chunks verified before, by blob key (the key commits to every byte).
+        self._headers: LRU[str, ChunkHeader] | None = (
+            LRU(header_cache) if header_cache > 0 else None
+        )
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
@@ -332,17 +341,26 @@ class Restorer:
         Bits flipped in transit (a bad NIC, a proxy) fail once; bits flipped at
         rest fail every time. Only the second kind marks the replica corrupt.
         """
+        known = self._headers.get(c.blob_key) if self._headers is not None else None
         try:
             decoded = decode_chunk(
-                store.get(c.blob_key), expected_key=c.blob_key, hash_threads=hash_threads
+                store.get(c.blob_key),
+                expected_key=c.blob_key,
+                hash_threads=hash_threads,
+                known_header=known,
             )
         except ChunkIntegrityError:
             log.warning(
                 "blob %s from %s failed verification; reading it again", c.blob_key, store.name
             )
             decoded = decode_chunk(
-                store.get(c.blob_key), expected_key=c.blob_key, hash_threads=hash_threads
+                store.get(c.blob_key),
+                expected_key=c.blob_key,
+                hash_threads=hash_threads,
+                known_header=known,
             )
+        if self._headers is not None and known is None:
+            self._headers.put(c.blob_key, decoded.header)
         self._check_header(decoded, c, tok, fp_hex, shard)
         return decoded
 

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 
 from catalog.catalog import Catalog
 from catalog.models import Shard
-from chunkstore import ChunkStore, Receipt, open_store
+from chunkstore import ChunkStore, Receipt, open_store, record
 from chunkstore.errors import StoreUnavailableError
 from restore.checkpoint import Checkpointer
 from restore.engines.reference import ReferenceModel
@@ -303,6 +303,42 @@ def test_report_and_rates(cat: Catalog, local: ChunkStore) -> None:
     rep = res.report
     assert rep.chunks == 4 and rep.replicas_used == {local.name: 4}
     assert {"lookup", "fetch+verify", "copy", "total"} <= set(rep.seconds)
+
+
+@pytest.mark.parametrize(
+    ("header_cache", "parses"), [(Restorer.DEFAULT_HEADER_CACHE, 4), (3, 8), (0, 8)]
+)
+def test_a_chunk_verified_before_is_not_parsed_again(
+    cat: Catalog,
+    local: ChunkStore,
+    monkeypatch: pytest.MonkeyPatch,
+    header_cache: int,
+    parses: int,
+) -> None:
+    """A restorer keeps the headers of the chunks it verified (the key commits to every byte):
+    restoring them again hashes and copies them but parses no header. It keeps `header_cache`
+    of them, least recently used forgotten (so 4 chunks read in turn through 3 places always
+    miss), 0 keeps none; the same bytes are restored either way."""
+    pool, route, t = computed(100)
+    with Checkpointer(cat, local, chunk_size=CHUNK) as cp:
+        cp.checkpoint(pool, route, t, MODEL.fingerprint)
+    parsed: list[int] = []
+    real_parse = record._parse
+    monkeypatch.setattr(record, "_parse", lambda view: parsed.append(1) or real_parse(view))
+    dst = PagePool(MODEL.layout, page_size=16, num_pages=64)
+    with Restorer(cat, [local], max_parallel=1, header_cache=header_cache) as r:
+        routes = []
+        for _ in range(2):
+            res = r.restore(dst, t, MODEL.fingerprint)
+            assert res.restored_tokens == 99 and res.report.chunks == 4
+            routes.append(res.route)
+    assert len(parsed) == parses
+    want = pool.read(route, 0, 99)
+    for got in (dst.read(rt) for rt in routes):
+        assert all(
+            np.array_equal(x.view(np.uint8), y.view(np.uint8))
+            for x, y in zip(got, want, strict=True)
+        )
 
 
 def test_a_directory_declared_object_tier_is_catalogued_as_object(

@@ -204,6 +204,27 @@ def test_wrong_expected_key_is_an_integrity_error() -> None:
         decode_chunk(rec.data, expected_key="../etc/passwd")
 
 
+@pytest.mark.parametrize("codec", sorted(CODECS))
+def test_a_known_header_is_taken_only_for_bytes_that_hash_to_its_key(codec: str) -> None:
+    """A record read again under its key may skip its header's parse: same header, same KV.
+    Anything that does not hash to the key is refused first, and a known header is refused
+    without a key or when it cannot be the record's."""
+    kv = make_kv("float16", (3, 2, 5, 2, 16))
+    rec = encode(kv, codec=codec)
+    got = decode_chunk(rec.data, expected_key=rec.key, known_header=rec.header)
+    assert got.header is rec.header and same_bits(got.kv, kv)
+    flipped = bytearray(rec.data)
+    flipped[len(flipped) // 2] ^= 1
+    for damaged in (bytes(flipped), rec.data[:-1], rec.data + b"\0"):
+        with pytest.raises(ChunkIntegrityError, match="expected key"):
+            decode_chunk(damaged, expected_key=rec.key, known_header=rec.header)
+    with pytest.raises(ValueError, match="expected_key"):
+        decode_chunk(rec.data, known_header=rec.header)
+    big = encode(make_kv("float16", (3, 2, 50, 2, 16)), codec="raw")
+    with pytest.raises(ValueError, match="not this record's"):
+        decode_chunk(rec.data, expected_key=rec.key, known_header=big.header)
+
+
 @pytest.mark.parametrize("threads", [1, blake3.blake3.AUTO])
 def test_hashing_on_one_thread_or_all_verifies_alike(threads: int) -> None:
     """A restore that verifies chunks side by side hashes each on one thread: same digests,
