@@ -72,7 +72,8 @@ class Restorer:
     page, and a route becomes visible only when all its pages are loaded.
     """
 
-    DEFAULT_PARALLEL = 4  # chunks fetched and verified at once
+    DEFAULT_PARALLEL = 4  # chunks fetched and verified at once from local and resident replicas
+    DEFAULT_OBJECT_PARALLEL = 8  # from object-tier replicas (GETs that mostly wait)
     DEFAULT_HEADER_CACHE = 1024  # verified headers kept (about 10 KB each for 256 tokens)
 
     def __init__(
@@ -86,9 +87,17 @@ class Restorer:
         byte_budget: int = 256 << 20,
         actor: str | None = None,
         header_cache: int = DEFAULT_HEADER_CACHE,
+        object_parallel: int = DEFAULT_OBJECT_PARALLEL,
     ) -> None:
-        """`header_cache`: how many verified chunk headers to keep, so a chunk restored again
-        (a hot prefix) is hashed and copied but its header not parsed again; 0 keeps none."""
+        """`max_parallel` chunks whose best replica is local or resident are fetched and
+        verified at once (reads and hashes that keep the cores busy), `object_parallel`
+        whose best replica is in an object store (GETs that mostly wait on the network),
+        all within `byte_budget` stored bytes in flight. `header_cache`: how many verified
+        chunk headers to keep, so a chunk restored again (a hot prefix) is hashed and
+        copied but its header not parsed again; 0 keeps none."""
+        for name, value in (("max_parallel", max_parallel), ("object_parallel", object_parallel)):
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
         self.catalog = catalog
         self.stores = {s.name: s for s in stores}
         self.namespace = namespace
@@ -96,8 +105,12 @@ class Restorer:
         self.max_parallel = max_parallel
         self.byte_budget = byte_budget
         self.actor = actor
+        self.object_parallel = object_parallel
         self._executor = ThreadPoolExecutor(
             max_workers=max_parallel, thread_name_prefix="kvc-restore"
+        )
+        self._object_executor = ThreadPoolExecutor(
+            max_workers=object_parallel, thread_name_prefix="kvc-restore-object"
         )
         self._tier_rates: dict[str, float] = {}
         self._rate_lock = threading.Lock()
@@ -108,6 +121,7 @@ class Restorer:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+        self._object_executor.shutdown(wait=True)
 
     def __enter__(self) -> Restorer:
         return self
@@ -237,7 +251,7 @@ class Restorer:
                 while nxt < len(chunks) and (
                     not pending or in_flight + chunks[nxt].stored_bytes <= self.byte_budget
                 ):
-                    pending[nxt] = self._executor.submit(load, chunks[nxt])
+                    pending[nxt] = self._executor_for(chunks[nxt]).submit(load, chunks[nxt])
                     in_flight += chunks[nxt].stored_bytes
                     nxt += 1
                 i = min(pending)
@@ -262,6 +276,11 @@ class Restorer:
         report.seconds["fetch+verify"] = fetch_s
         report.seconds["copy"] = copy_s
         return restored
+
+    def _executor_for(self, c: ChunkMatch) -> ThreadPoolExecutor:
+        """The object tier's workers for a chunk whose best readable replica is there."""
+        order = self._replica_order(c)
+        return self._object_executor if order and order[0][0].tier == "object" else self._executor
 
     def _drain(self, pending: dict[int, Future[Any]]) -> None:
         for f in pending.values():

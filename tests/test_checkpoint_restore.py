@@ -353,3 +353,45 @@ def test_a_directory_declared_object_tier_is_catalogued_as_object(
     assert match.chunks and {(r.location, r.tier) for c in match.chunks for r in c.replicas} == {
         (store.name, "object")
     }
+
+
+class Overlap(Delegating):
+    """Counts gets in flight; each waits until `width` are in flight at once (or 10 s)."""
+
+    def __init__(self, inner: ChunkStore, width: int) -> None:
+        super().__init__(inner)
+        self.width = width
+        self.peak = self._active = 0
+        self._lock = threading.Lock()
+        self._reached = threading.Event()
+
+    def get(self, key: str) -> Any:
+        with self._lock:
+            self._active += 1
+            self.peak = max(self.peak, self._active)
+            if self._active >= self.width:
+                self._reached.set()
+        try:
+            self._reached.wait(10)
+            return self.inner.get(key)
+        finally:
+            with self._lock:
+                self._active -= 1
+
+
+@pytest.mark.parametrize(("tier", "width"), [("local", 2), ("object", 6)])
+def test_object_tier_chunks_keep_more_fetches_in_flight_than_local_ones(
+    cat: Catalog, tmp_path: Path, tier: str, width: int
+) -> None:
+    """Chunks read from an object store wait on the network, so `object_parallel` of them are
+    fetched at once; chunks read from a local disk keep the cores busy, `max_parallel`."""
+    store = Overlap(open_store(f"file://{tmp_path / 'blobs'}?tier={tier}"), width)
+    pool, route, t = computed(8 * CHUNK + 1)
+    with Checkpointer(cat, store, chunk_size=CHUNK) as cp:
+        cp.checkpoint(pool, route, t, MODEL.fingerprint)
+    dst = PagePool(MODEL.layout, page_size=16, num_pages=64)
+    with Restorer(cat, [store], max_parallel=2, object_parallel=6) as r:
+        res = r.restore(dst, t, MODEL.fingerprint)
+    assert res.restored_tokens == 8 * CHUNK and store.peak == width
+    with pytest.raises(ValueError, match="object_parallel must be at least 1"):
+        Restorer(cat, [store], object_parallel=0)
