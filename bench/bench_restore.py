@@ -21,6 +21,7 @@ import argparse
 import math
 import mmap
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -69,17 +70,20 @@ def median_s(fn: Callable[[], object], reps: int, before: Callable[[], object] |
 def interleaved(
     fns: dict[str, Callable[[], object]], reps: int, before: Callable[[], object] | None = None
 ) -> dict[str, float]:
-    """Median seconds of each fn, run in turn (a, b, c, b, c, a, c, a, b, ...) so that the
-    machine's noise, and whatever the one before leaves behind (freed memory, cold caches),
-    falls on all of them alike; `before` runs untimed before every call."""
+    """Median seconds of each fn, all run once per repetition in a new shuffled order (fixed
+    seed), so that the machine's noise, and whatever the one before leaves behind (freed
+    memory, cold caches), falls on all of them alike (a rotation would give each the same
+    predecessor every time); `before` runs untimed before every call."""
     for fn in fns.values():
         if before is not None:
             before()
         fn()  # warm-up
     times: dict[str, list[float]] = {name: [] for name in fns}
     names = list(fns)
-    for rep in range(reps):
-        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+    order = random.Random(0)
+    for _ in range(reps):
+        order.shuffle(names)
+        for name in names:
             fn = fns[name]
             if before is not None:
                 before()
