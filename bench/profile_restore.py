@@ -74,16 +74,17 @@ def main() -> None:
         offset = kv_at - np.frombuffer(data, np.uint8).__array_interface__["data"][0]
         blobs.append(br.Blob(path, int(offset), c.token_start, c.tokens_used))
 
-    reports: dict[int, RestoreReport] = {}
+    reports: dict[str, RestoreReport] = {}
 
-    def kvc(width: int, header_cache: int = Restorer.DEFAULT_HEADER_CACHE) -> Callable[[], None]:
+    def kvc(
+        name: str, width: int, header_cache: int = Restorer.DEFAULT_HEADER_CACHE
+    ) -> Callable[[], None]:
         r = Restorer(cat, [local], max_parallel=width, header_cache=header_cache)
 
         def run() -> None:
             res = r.restore(dst, toks, br.FP)
             assert res.restored_tokens == n and res.route is not None
-            if header_cache:
-                reports[width] = res.report
+            reports[name] = res.report
             dst.release(res.route)
 
         return run
@@ -94,16 +95,16 @@ def main() -> None:
             f"mmap+blake3+copy, hash 1 thread, {width} at a time"
         ]
     for width in (1, 2, 4):
-        fns[f"kvc {width}"] = kvc(width)
-    fns["kvc 4, headers parsed"] = kvc(4, header_cache=0)  # as on a prefix's first restore
+        fns[f"kvc {width}"] = kvc(f"kvc {width}", width)
+    fns["kvc 4, headers parsed"] = kvc("kvc 4, headers parsed", 4, header_cache=0)  # as on a prefix's first restore
     times = br.interleaved(fns, args.reps)
     best = min(t for name, t in times.items() if name.startswith("floor"))
     print(f"{n} tokens, {len(match.chunks)} chunks, medians of {args.reps} (warm page cache)")
     for name, sec in sorted(times.items(), key=lambda kv: kv[1]):
         print(f"  {name:22} {sec * 1e3:8.1f} ms  {best / sec:5.2f} of the best floor")
     print("stage thread-seconds of the last kvc run (ms):")
-    for width, rep in sorted(reports.items()):
-        print(f"  kvc {width}: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in rep.seconds.items()))
+    for name, rep in sorted(reports.items()):
+        print(f"  {name}: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in rep.seconds.items()))
 
     c = match.chunks[len(match.chunks) // 2]
     view = _byte_view(local.get(c.blob_key))

@@ -361,23 +361,22 @@ class Restorer:
         rest fail every time. Only the second kind marks the replica corrupt.
         """
         known = self._headers.get(c.blob_key) if self._headers is not None else None
-        try:
-            decoded = decode_chunk(
+
+        def read() -> DecodedChunk:
+            return decode_chunk(
                 store.get(c.blob_key),
                 expected_key=c.blob_key,
                 hash_threads=hash_threads,
                 known_header=known,
             )
+
+        try:
+            decoded = read()
         except ChunkIntegrityError:
             log.warning(
                 "blob %s from %s failed verification; reading it again", c.blob_key, store.name
             )
-            decoded = decode_chunk(
-                store.get(c.blob_key),
-                expected_key=c.blob_key,
-                hash_threads=hash_threads,
-                known_header=known,
-            )
+            decoded = read()
         if self._headers is not None and known is None:
             self._headers.put(c.blob_key, decoded.header)
         self._check_header(decoded, c, tok, fp_hex, shard)
