@@ -18,6 +18,12 @@ log = logging.getLogger(__name__)
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 SQLITE_BUSY_TIMEOUT_S = 30  # how long a SQLite writer waits for the write lock
+# Each SQLite connection's own page cache. SQLite's default (2 MB) does not hold the
+# pages one lookup of a 128k-token prompt reads from a 1M-chunk catalog (512 index
+# entries, chunk and replica rows: about 8 MB), so every lookup read them all again
+# from the OS: 16 MiB made the 1M lookup 1.36x the 10k one instead of 1.75x
+# (docs/performance.md). Filled only as pages are read; up to 3 x pool_size connections.
+SQLITE_CACHE_KIB = 16 * 1024
 
 
 def safe_url(url: str | sa.URL) -> str:
@@ -126,6 +132,7 @@ def create_engine(url: str, *, pool_size: int = 5, create: bool = True) -> Engin
             cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_S * 1000}")
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA synchronous=FULL")
+            cur.execute(f"PRAGMA cache_size=-{SQLITE_CACHE_KIB}")
             cur.close()
             # Let SQLAlchemy's "begin" event issue BEGIN itself, so writers can
             # take the write lock up front (BEGIN IMMEDIATE) and queue on

@@ -543,6 +543,29 @@ def test_bad_urls(tmp_path: Path) -> None:
         assert "secret" not in str(exc)
 
 
+def test_every_sqlite_connection_has_the_catalog_pragmas(tmp_path: Path) -> None:
+    """WAL, full fsync, foreign keys and a page cache that holds a long prompt's lookup."""
+    from catalog.database import SQLITE_CACHE_KIB
+
+    c = Catalog.open(f"sqlite:///{tmp_path / 'c.db'}", upgrade=True)
+    try:
+        with c.engine.connect() as a, c.engine.connect() as b:  # two pooled connections
+            for conn in (a, b):
+                got = {
+                    p: conn.exec_driver_sql(f"PRAGMA {p}").scalar_one()
+                    for p in ("journal_mode", "synchronous", "foreign_keys", "cache_size")
+                }
+                assert got == {
+                    "journal_mode": "wal",
+                    "synchronous": 2,
+                    "foreign_keys": 1,
+                    "cache_size": -SQLITE_CACHE_KIB,
+                }
+        assert SQLITE_CACHE_KIB >= 8 * 1024  # a 128k-token lookup of a 1M-chunk catalog reads ~8 MB
+    finally:
+        c.close()
+
+
 def test_fingerprints_are_stored_with_their_descriptor(cat: Catalog) -> None:
     assert cat.get_fingerprint(FP) is None
     publish(cat, "default", TOKENS[:4])
