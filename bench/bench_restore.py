@@ -11,6 +11,9 @@ Sections, all in one run on the same machine:
    pool: kvc from a local store (warm and cold page cache) and from S3, beside
    the floors (blake3 + copy into the pool, raw file read) and beside one
    safetensors or np.save file per session (load, then copy into the pool).
+   Each row also says how many cores it kept busy (CPU seconds over wall
+   seconds; for S3 the SeaweedFS server's CPU counts too): a floor that keeps
+   both cores busy leaves no core for kvc's verify and copy.
 2. Storage for 10 sessions sharing a 2k-token system prompt.
 3. Time to first token with the reference decoder: restore vs recompute.
 """
@@ -50,12 +53,16 @@ from restore.restore import Restorer
 from restore.write_behind import to_replica_receipt
 
 LAYOUT = AttentionLayout(28, 4, 128, "float16")
-FP = Fingerprint.create(weights="bench-7b-like", architecture="llama", config={}, attention_layout=LAYOUT)
+FP = Fingerprint.create(
+    weights="bench-7b-like", architecture="llama", config={}, attention_layout=LAYOUT
+)
 PAGE = 16
 CHUNK = 256
 
 
-def median_s(fn: Callable[[], object], reps: int, before: Callable[[], object] | None = None) -> float:
+def median_s(
+    fn: Callable[[], object], reps: int, before: Callable[[], object] | None = None
+) -> float:
     fn()
     ts = []
     for _ in range(reps):
@@ -91,6 +98,37 @@ def interleaved(
             fn()
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) process `pid` has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def metered(
+    fns: dict[str, Callable[[], object]], pids: Iterable[int] = ()
+) -> tuple[dict[str, Callable[[], object]], dict[str, list[float]]]:
+    """`fns` wrapped to add up their wall and CPU seconds (this process, plus `pids`, such as
+    the S3 server's): `busy[name]` = [cpu, wall], so cpu / wall is how many cores a row kept
+    busy. A floor that keeps every core busy leaves kvc's extra work nowhere to run."""
+    busy = {name: [0.0, 0.0] for name in fns}
+    others = list(pids)
+
+    def cpu() -> float:
+        return time.process_time() + sum(process_cpu_s(p) for p in others)
+
+    def wrap(name: str, fn: Callable[[], object]) -> Callable[[], object]:
+        def run() -> object:
+            c0, t0 = cpu(), time.perf_counter()
+            out = fn()
+            busy[name][0] += cpu() - c0
+            busy[name][1] += time.perf_counter() - t0
+            return out
+
+        return run
+
+    return {name: wrap(name, fn) for name, fn in fns.items()}, busy
 
 
 def kv_like(n: int, seed: int = 0) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
@@ -154,7 +192,9 @@ def floor_ops(
 
     tag = f", {threads} at a time"
     return {
-        "mmap+blake3+copy, hash 1 thread" + tag: lambda: list(ex.map(lambda b: mmap_hash_copy(b, 1), blobs)),
+        "mmap+blake3+copy, hash 1 thread" + tag: lambda: list(
+            ex.map(lambda b: mmap_hash_copy(b, 1), blobs)
+        ),
         "mmap+blake3+copy, hash all threads" + tag: lambda: list(
             ex.map(lambda b: mmap_hash_copy(b, blake3.blake3.AUTO), blobs)
         ),
@@ -182,9 +222,10 @@ def restore_section(n: int, reps: int, use_s3: bool, parallel: int, tmp: Path) -
     for c in match.chunks:
         path = local.path_of(c.blob_key)  # type: ignore[attr-defined]
         data = path.read_bytes()
-        offset = np.asarray(decode_chunk(data).kv).__array_interface__["data"][0] - np.frombuffer(
-            data, np.uint8
-        ).__array_interface__["data"][0]
+        offset = (
+            np.asarray(decode_chunk(data).kv).__array_interface__["data"][0]
+            - np.frombuffer(data, np.uint8).__array_interface__["data"][0]
+        )
         blobs.append(Blob(path, int(offset), c.token_start, c.tokens_used))
     blob_paths = [b.path for b in blobs]
     dst = PagePool(LAYOUT, page_size=PAGE, num_pages=2 * (n // PAGE) + 2)  # the floors hold half
@@ -228,26 +269,35 @@ def restore_section(n: int, reps: int, use_s3: bool, parallel: int, tmp: Path) -
     floors: dict[str, Callable[[], object]] = {}
     for width in widths:
         floors |= floor_ops(blobs, dst, pages, width)
-    warm = interleaved({**floors, "kvc": kvc_local, **alts}, reps)
-    cold = interleaved(
-        {**floors, "kvc": kvc_local}, max(3, reps // 2), lambda: drop_cache(blob_paths)
-    )
+    warm_fns, warm_busy = metered({**floors, "kvc": kvc_local, **alts})
+    warm = interleaved(warm_fns, reps)
+    cold_fns, cold_busy = metered({**floors, "kvc": kvc_local})
+    cold = interleaved(cold_fns, max(3, reps // 2), lambda: drop_cache(blob_paths))
     gb = kv_bytes / 1e9
-    lines = [f"{n} tokens, {gb * 1e3:,.0f} MB of KV, {len(blobs)} chunks; floors on {' and '.join(map(str, widths))} threads, "
-             f"kvc Restorer(max_parallel={parallel})"]
+    lines = [
+        f"{n} tokens, {gb * 1e3:,.0f} MB of KV, {len(blobs)} chunks; floors on {' and '.join(map(str, widths))} threads, "
+        f"kvc Restorer(max_parallel={parallel})"
+    ]
 
-    def table(title: str, times: dict[str, float], floor_names: Iterable[str]) -> None:
+    def table(
+        title: str,
+        times: dict[str, float],
+        floor_names: Iterable[str],
+        busy: dict[str, list[float]],
+    ) -> None:
         floor_name = min(floor_names, key=lambda name: times[name])
         floor = times[floor_name]
         lines.append(f"  {title}")
         for name, sec in sorted(times.items(), key=lambda kv: kv[1]):
             mark = "  <- floor" if name == floor_name else ""
+            cores = busy[name][0] / busy[name][1]
             lines.append(
-                f"    {name:<50} {sec * 1e3:9.1f} ms {gb / sec:6.2f} GB/s  {floor / sec:5.2f} of floor{mark}"
+                f"    {name:<50} {sec * 1e3:9.1f} ms {gb / sec:6.2f} GB/s  {floor / sec:5.2f} of floor"
+                f"  {cores:4.2f} cores busy{mark}"
             )
 
-    table("warm local (page cache holds the blobs)", warm, floors)
-    table("cold local (page cache dropped before each run)", cold, floors)
+    table("warm local (page cache holds the blobs)", warm, floors, warm_busy)
+    table("cold local (page cache dropped before each run)", cold, floors, cold_busy)
     dst.free_reserved(pages)
 
     if use_s3:
@@ -259,7 +309,9 @@ def restore_section(n: int, reps: int, use_s3: bool, parallel: int, tmp: Path) -
         with start_seaweedfs() as srv:
             os.environ["AWS_ACCESS_KEY_ID"] = srv.access_key
             os.environ["AWS_SECRET_ACCESS_KEY"] = srv.secret_key
-            s3 = open_store(f"s3://{srv.bucket}/bench?endpoint_url={srv.endpoint_url}&region={srv.region}")
+            s3 = open_store(
+                f"s3://{srv.bucket}/bench?endpoint_url={srv.endpoint_url}&region={srv.region}"
+            )
             for c in match.chunks:
                 rcpt = s3.put(c.blob_key, local.get(c.blob_key))
                 cat.record_replica(c.blob_key, to_replica_receipt(rcpt, "object"))
@@ -275,7 +327,8 @@ def restore_section(n: int, reps: int, use_s3: bool, parallel: int, tmp: Path) -
                 endpoint_url=srv.endpoint_url,
                 region_name=srv.region,
                 config=botocore.config.Config(
-                    response_checksum_validation="when_required", max_pool_connections=max(s3_widths)
+                    response_checksum_validation="when_required",
+                    max_pool_connections=max(s3_widths),
                 ),
             )
 
@@ -283,13 +336,24 @@ def restore_section(n: int, reps: int, use_s3: bool, parallel: int, tmp: Path) -
                 gets = ThreadPoolExecutor(width)
 
                 def run() -> None:
-                    list(gets.map(lambda x: client.get_object(Bucket=bucket, Key=x)["Body"].read(), keys))
+                    list(
+                        gets.map(
+                            lambda x: client.get_object(Bucket=bucket, Key=x)["Body"].read(), keys
+                        )
+                    )
 
                 return run
 
             s3_floors = {f"raw GETs, {w} at a time, no verify": raw_gets(w) for w in s3_widths}
-            s3_times = interleaved({**s3_floors, "kvc": kvc_restore([s3])}, max(3, reps // 2))
-            table("S3 (SeaweedFS on loopback)", s3_times, s3_floors)
+            server = [srv.proc.pid] if srv.proc is not None else []  # none for an outside server
+            s3_fns, s3_busy = metered({**s3_floors, "kvc": kvc_restore([s3])}, server)
+            s3_times = interleaved(s3_fns, max(3, reps // 2))
+            table(
+                "S3 (SeaweedFS on loopback; cores busy include SeaweedFS)",
+                s3_times,
+                s3_floors,
+                s3_busy,
+            )
             s3.close()
     cat.close()
     return lines
@@ -359,17 +423,25 @@ def ttft_section(tmp: Path, reps: int) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--tokens", default="4096,32768", help="comma-separated prefix lengths")
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--parallel", type=int, default=Restorer.DEFAULT_PARALLEL, help="kvc's max_parallel")
+    ap.add_argument(
+        "--parallel", type=int, default=Restorer.DEFAULT_PARALLEL, help="kvc's max_parallel"
+    )
     ap.add_argument("--no-s3", action="store_true")
-    ap.add_argument("--only-restore", action="store_true", help="skip the storage and TTFT sections")
+    ap.add_argument(
+        "--only-restore", action="store_true", help="skip the storage and TTFT sections"
+    )
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvc-bench-restore-"))
-    print(f"kvc restore bench: fp16 KV, {LAYOUT.num_layers} layers x {LAYOUT.num_kv_heads} kv heads x "
-          f"{LAYOUT.head_dim} dim, page {PAGE}, chunk {CHUNK}, medians of {args.reps} interleaved runs "
-          f"(cold and S3: of {max(3, args.reps // 2)}), {os.cpu_count()} cores")
+    print(
+        f"kvc restore bench: fp16 KV, {LAYOUT.num_layers} layers x {LAYOUT.num_kv_heads} kv heads x "
+        f"{LAYOUT.head_dim} dim, page {PAGE}, chunk {CHUNK}, medians of {args.reps} interleaved runs "
+        f"(cold and S3: of {max(3, args.reps // 2)}), {os.cpu_count()} cores"
+    )
     try:
         for n in (int(x) for x in args.tokens.split(",")):
             print()
