@@ -160,16 +160,53 @@ class Blob:
     count: int
 
 
+def in_restore_pages(
+    dst: PagePool, n_pages: int, fill: Callable[[list[int]], object]
+) -> Callable[[], None]:
+    """`fill` run on `n_pages` pages reserved for the run and freed after it: the pages kvc's
+    restore of the same prefix gets (both take them from the top of the pool's free stack,
+    and freed pages go back in their old order), so every row writes into the same memory.
+    (Floors writing into pages of their own measured memory kvc's rows did not touch: on this
+    VM, pages left untouched while other rows ran for seconds cost more to write again.)"""
+
+    def run() -> None:
+        pages = dst.reserve_pages(n_pages)
+        try:
+            fill(pages)
+        finally:
+            dst.free_reserved(pages)
+
+    return run
+
+
+def check_same_pages(
+    dst: PagePool,
+    kvc_run: Callable[[], None],
+    restorer: Restorer,
+    toks: np.ndarray[Any, Any],
+    n_pages: int,
+) -> None:
+    """Assert that `in_restore_pages` hands out the very pages a kvc restore of `toks` gets."""
+    kvc_run()  # as in the timed runs: after a restore released its route
+    res = restorer.restore(dst, toks, FP)
+    assert res.route is not None
+    restored = list(dst.page_table(res.route))
+    dst.release(res.route)
+    reserved = dst.reserve_pages(n_pages)
+    dst.free_reserved(reserved)
+    assert restored == reserved, "the floors would write into other pages than kvc"
+
+
 def floor_ops(
-    blobs: list[Blob], dst: PagePool, pages: list[int], threads: int
+    blobs: list[Blob], dst: PagePool, n_pages: int, threads: int
 ) -> dict[str, Callable[[], object]]:
     """The floors done by hand as well as a careful engineer would: the same blob files hashed
-    whole with blake3 and their payloads copied page by page into the same pool pages, the
-    work split by chunk over `threads` threads (every core)."""
+    whole with blake3 and their payloads copied page by page into the pool pages kvc restores
+    into (`in_restore_pages`), the work split by chunk over `threads` threads (every core)."""
     ex = ThreadPoolExecutor(threads)
     shape = (LAYOUT.num_layers, 2, CHUNK, LAYOUT.num_kv_heads, LAYOUT.head_dim)
 
-    def mmap_hash_copy(b: Blob, hash_threads: int) -> None:
+    def mmap_hash_copy(b: Blob, pages: list[int], hash_threads: int) -> None:
         with open(b.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
             blake3.blake3(m, max_threads=hash_threads).digest()
             arr = np.frombuffer(m, np.float16, math.prod(shape), b.offset).reshape(shape)
@@ -178,7 +215,7 @@ def floor_ops(
 
     buffers = threading.local()
 
-    def read_hash_copy(b: Blob) -> None:
+    def read_hash_copy(b: Blob, pages: list[int]) -> None:
         size = b.path.stat().st_size
         buf = getattr(buffers, "buf", None)
         if buf is None or len(buf) < size:
@@ -190,15 +227,18 @@ def floor_ops(
         arr = np.frombuffer(view, np.float16, math.prod(shape), b.offset).reshape(shape)
         dst.write_pages(pages, b.start, arr[:, :, : b.count])
 
+    def each_blob(op: Callable[[Blob, list[int]], None]) -> Callable[[], None]:
+        return in_restore_pages(
+            dst, n_pages, lambda pages: list(ex.map(lambda b: op(b, pages), blobs))
+        )
+
     tag = f", {threads} at a time"
     return {
-        "mmap+blake3+copy, hash 1 thread" + tag: lambda: list(
-            ex.map(lambda b: mmap_hash_copy(b, 1), blobs)
+        "mmap+blake3+copy, hash 1 thread" + tag: each_blob(lambda b, p: mmap_hash_copy(b, p, 1)),
+        "mmap+blake3+copy, hash all threads" + tag: each_blob(
+            lambda b, p: mmap_hash_copy(b, p, blake3.blake3.AUTO)
         ),
-        "mmap+blake3+copy, hash all threads" + tag: lambda: list(
-            ex.map(lambda b: mmap_hash_copy(b, blake3.blake3.AUTO), blobs)
-        ),
-        "read+blake3+copy" + tag: lambda: list(ex.map(read_hash_copy, blobs)),
+        "read+blake3+copy" + tag: each_blob(read_hash_copy),
     }
 
 
@@ -228,8 +268,8 @@ def restore_section(n: int, reps: int, use_s3: bool, parallel: int, tmp: Path) -
         )
         blobs.append(Blob(path, int(offset), c.token_start, c.tokens_used))
     blob_paths = [b.path for b in blobs]
-    dst = PagePool(LAYOUT, page_size=PAGE, num_pages=2 * (n // PAGE) + 2)  # the floors hold half
-    pages = dst.reserve_pages(n // PAGE)
+    dst = PagePool(LAYOUT, page_size=PAGE, num_pages=n // PAGE + 2)
+    n_pages = n // PAGE
     threads = os.cpu_count() or 1
 
     def kvc_restore(stores: list[ChunkStore]) -> Callable[[], None]:
@@ -244,6 +284,7 @@ def restore_section(n: int, reps: int, use_s3: bool, parallel: int, tmp: Path) -
         return run
 
     kvc_local = kvc_restore([local])
+    check_same_pages(dst, kvc_local, Restorer(cat, [local]), toks, n_pages)
     # What a user would do instead: one file per session, loaded then copied in.
     k_, v_ = src.read(route, 0, n)
     payload = np.stack([k_, v_], axis=1)
@@ -254,21 +295,23 @@ def restore_section(n: int, reps: int, use_s3: bool, parallel: int, tmp: Path) -
 
         st = tmp / "session.safetensors"
         save_file({"kv": payload}, str(st))
-        alts["safetensors load + copy (unverified)"] = lambda: dst.write_pages(
-            pages, 0, load_file(str(st))["kv"]
+        alts["safetensors load + copy (unverified)"] = in_restore_pages(
+            dst, n_pages, lambda pages: dst.write_pages(pages, 0, load_file(str(st))["kv"])
         )
     except ImportError:
         print("safetensors missing: pip install -e '.[bench]'", file=sys.stderr)
     npy = tmp / "session.npy"
     np.save(npy, payload)
     del payload
-    alts["np.load + copy (unverified)"] = lambda: dst.write_pages(pages, 0, np.load(npy))
+    alts["np.load + copy (unverified)"] = in_restore_pages(
+        dst, n_pages, lambda pages: dst.write_pages(pages, 0, np.load(npy))
+    )
 
     # Every core, twice as many in flight (for reads that wait on the disk), and as many as kvc keeps.
     widths = sorted({threads, 2 * threads, parallel})
     floors: dict[str, Callable[[], object]] = {}
     for width in widths:
-        floors |= floor_ops(blobs, dst, pages, width)
+        floors |= floor_ops(blobs, dst, n_pages, width)
     warm_fns, warm_busy = metered({**floors, "kvc": kvc_local, **alts})
     warm = interleaved(warm_fns, reps)
     cold_fns, cold_busy = metered({**floors, "kvc": kvc_local})
@@ -298,7 +341,6 @@ def restore_section(n: int, reps: int, use_s3: bool, parallel: int, tmp: Path) -
 
     table("warm local (page cache holds the blobs)", warm, floors, warm_busy)
     table("cold local (page cache dropped before each run)", cold, floors, cold_busy)
-    dst.free_reserved(pages)
 
     if use_s3:
         import boto3

@@ -45,7 +45,9 @@ from restore.restore import Restorer, RestoreReport
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
@@ -64,8 +66,7 @@ def main() -> None:
         cp.checkpoint(src, route, toks[:n], br.FP)
     del src
     match = cat.lookup("default", br.FP.hex, toks)
-    dst = PagePool(br.LAYOUT, page_size=br.PAGE, num_pages=2 * (n // br.PAGE) + 2)
-    pages = dst.reserve_pages(n // br.PAGE)
+    dst = PagePool(br.LAYOUT, page_size=br.PAGE, num_pages=n // br.PAGE + 2)
     blobs = []
     for c in match.chunks:
         path = local.path_of(c.blob_key)
@@ -91,12 +92,14 @@ def main() -> None:
 
     fns: dict[str, Callable[[], object]] = {}
     for width in (1, 2, 4):
-        fns[f"floor {width}"] = br.floor_ops(blobs, dst, pages, width)[
+        fns[f"floor {width}"] = br.floor_ops(blobs, dst, n // br.PAGE, width)[
             f"mmap+blake3+copy, hash 1 thread, {width} at a time"
         ]
     for width in (1, 2, 4):
         fns[f"kvc {width}"] = kvc(f"kvc {width}", width)
-    fns["kvc 4, headers parsed"] = kvc("kvc 4, headers parsed", 4, header_cache=0)  # as on a prefix's first restore
+    fns["kvc 4, headers parsed"] = kvc(
+        "kvc 4, headers parsed", 4, header_cache=0
+    )  # as on a prefix's first restore
     times = br.interleaved(fns, args.reps)
     best = min(t for name, t in times.items() if name.startswith("floor"))
     print(f"{n} tokens, {len(match.chunks)} chunks, medians of {args.reps} (warm page cache)")
@@ -112,13 +115,16 @@ def main() -> None:
     restorer = Restorer(cat, [local], max_parallel=1)
     assert match.shard is not None
     shard = match.shard
+    pages = dst.reserve_pages(n // br.PAGE)  # kvc's pages, as the floors use them
     parts: dict[str, Callable[[], object]] = {
         "open + mmap (store.get)": lambda: local.get(c.blob_key),
         "header parse and checks": lambda: _parse(view),
         "plan checks (tokens, hashes, shard)": lambda: restorer._check_header(
             decoded, c, toks, br.FP.hex, shard
         ),
-        "copy into the pool": lambda: dst.write_pages(pages, c.token_start, decoded.kv[:, :, : c.tokens_used]),
+        "copy into the pool": lambda: dst.write_pages(
+            pages, c.token_start, decoded.kv[:, :, : c.tokens_used]
+        ),
     }
     print("one chunk on one thread (us):")
     for name, fn in parts.items():
