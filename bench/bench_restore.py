@@ -180,14 +180,9 @@ def in_restore_pages(
 
 
 def check_same_pages(
-    dst: PagePool,
-    kvc_run: Callable[[], None],
-    restorer: Restorer,
-    toks: np.ndarray[Any, Any],
-    n_pages: int,
+    dst: PagePool, restorer: Restorer, toks: np.ndarray[Any, Any], n_pages: int
 ) -> None:
     """Assert that `in_restore_pages` hands out the very pages a kvc restore of `toks` gets."""
-    kvc_run()  # as in the timed runs: after a restore released its route
     res = restorer.restore(dst, toks, FP)
     assert res.route is not None
     restored = list(dst.page_table(res.route))
@@ -284,7 +279,7 @@ def restore_section(n: int, reps: int, use_s3: bool, parallel: int, tmp: Path) -
         return run
 
     kvc_local = kvc_restore([local])
-    check_same_pages(dst, kvc_local, Restorer(cat, [local]), toks, n_pages)
+    check_same_pages(dst, Restorer(cat, [local]), toks, n_pages)
     # What a user would do instead: one file per session, loaded then copied in.
     k_, v_ = src.read(route, 0, n)
     payload = np.stack([k_, v_], axis=1)
