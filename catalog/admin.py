@@ -256,7 +256,12 @@ def replica_states(
         rows = conn.execute(
             sa.select(Replica.state, sa.func.count())
             .join(Chunk, Chunk.blob_key == Replica.blob_key)
-            .where(Chunk.prefix_hash.in_(list(prefix_hashes)), Chunk.fingerprint == fingerprint)
+            .join(PrefixNode, PrefixNode.prefix_hash == Chunk.prefix_hash)
+            .where(
+                Chunk.prefix_hash.in_(list(prefix_hashes)),
+                Chunk.fingerprint == fingerprint,
+                PrefixNode.namespace_id == Replica.namespace_id,
+            )
             .group_by(Replica.state)
             .order_by(Replica.state)
         ).all()
@@ -281,15 +286,28 @@ def replica_counts(cat: Catalog) -> list[ReplicaCount]:
     return [ReplicaCount(location=loc, tier=t, state=s, count=int(n)) for loc, t, s, n in rows]
 
 
+# Which state of a blob's replica rows at one location (one per namespace holding it) fsck
+# reports: the one that asks the most of it.
+_CHECK_ORDER = {"missing": 0, "corrupt": 1, "deleting": 2, "durable": 3, "ready": 4}
+
+
 def replicas_to_check(cat: Catalog, locations: Iterable[str]) -> list[ReplicaCheck]:
-    """Every replica at these locations, by location then blob key (what fsck walks)."""
+    """Every replica at these locations, once per (location, blob key) whatever the number of
+    namespaces holding it, by location then blob key (what fsck walks)."""
     with cat.engine.connect() as conn:
         rows = conn.execute(
             sa.select(Replica.blob_key, Replica.location, Replica.state, Replica.size)
             .where(Replica.location.in_(sorted(set(locations))))
             .order_by(Replica.location, Replica.blob_key)
         ).all()
-    return [ReplicaCheck(r.blob_key, r.location, r.state, int(r.size)) for r in rows]
+    out: dict[tuple[str, str], ReplicaCheck] = {}
+    for r in rows:
+        prev = out.get((r.location, r.blob_key))
+        if prev is None or _CHECK_ORDER.get(r.state, 9) < _CHECK_ORDER.get(prev.state, 9):
+            out[(r.location, r.blob_key)] = ReplicaCheck(
+                r.blob_key, r.location, r.state, int(r.size)
+            )
+    return list(out.values())
 
 
 def replicas_elsewhere(cat: Catalog, locations: Iterable[str]) -> dict[str, int]:

@@ -55,12 +55,15 @@ class CatalogAPI(Protocol):
         """The namespace's chunk size, or None if it does not exist. `IdentityError`: bad name."""
         ...
 
-    def register_fingerprint(self, fp: Fingerprint) -> None:
-        """Store the fingerprint's full descriptor (idempotent)."""
+    def register_fingerprint(self, fp: Fingerprint, *, namespace: str | None = None) -> None:
+        """Store the fingerprint's full descriptor (idempotent), as used by `namespace`."""
         ...
 
-    def get_fingerprint(self, fp: Fingerprint | str) -> Fingerprint | None:
-        """The stored descriptor for a fingerprint (or its hex), None if unknown.
+    def get_fingerprint(
+        self, fp: Fingerprint | str, *, namespace: str | None = None
+    ) -> Fingerprint | None:
+        """The stored descriptor for a fingerprint (or its hex), None if unknown; with
+        `namespace`, None unless that namespace registered it or published under it.
 
         `IdentityError`: not a fingerprint hex.
         """

@@ -8,4 +8,3 @@ from datetime import UTC, datetime
 def utcnow() -> datetime:
     """Now, in UTC, timezone-aware (every time the catalog stores or compares)."""
     return datetime.now(UTC)
-

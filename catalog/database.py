@@ -58,7 +58,9 @@ def _check_sqlite_catalog(path: Path, url: str) -> None:
         return
     # The header can be right and the rest not: ask SQLite itself, read-only (creates nothing).
     try:
-        conn = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True, timeout=SQLITE_BUSY_TIMEOUT_S)
+        conn = sqlite3.connect(
+            f"{path.absolute().as_uri()}?mode=ro", uri=True, timeout=SQLITE_BUSY_TIMEOUT_S
+        )
         try:
             conn.execute("PRAGMA schema_version").fetchone()
         finally:
@@ -80,9 +82,7 @@ def _create_sqlite_file(path: Path, url: str) -> None:
     if path.exists():
         return
     if not path.parent.exists():
-        raise CatalogError(
-            f"cannot create catalog {where}: directory {path.parent} does not exist"
-        )
+        raise CatalogError(f"cannot create catalog {where}: directory {path.parent} does not exist")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except FileExistsError:

@@ -14,6 +14,9 @@ import numpy as np
 from catalog.errors import IdentityError
 
 FORMAT_VERSION = 1
+# A descriptor names a model and the config fields that change its K/V: a few KiB at most.
+# The cap keeps one tenant from storing megabytes per registration in a shared catalog.
+MAX_DESCRIPTOR_BYTES = 64 << 10
 ROOT_DOMAIN = b"kvc/prefix/v1/root"
 CHAIN_DOMAIN = b"kvc/prefix/v1"
 HASH_SIZE = 32
@@ -150,6 +153,11 @@ class Fingerprint:
         AttentionLayout.from_dict(descriptor["attention_layout"])
         # Round-trip through JSON so the stored descriptor is exactly what was hashed.
         encoded = canonical_json(descriptor)
+        if len(encoded) > MAX_DESCRIPTOR_BYTES:
+            raise IdentityError(
+                f"a fingerprint descriptor is at most {MAX_DESCRIPTOR_BYTES} bytes of canonical "
+                f"JSON, this one is {len(encoded)}: keep only the config fields that change K/V"
+            )
         frozen = cast(dict[str, Any], json.loads(encoded))
         return cls(hex=blake3.blake3(encoded).hexdigest(), descriptor=frozen)
 

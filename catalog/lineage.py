@@ -67,10 +67,11 @@ class Lineage:
                 .where(PrefixNode.prefix_hash == prefix_hash, PrefixNode.namespace_id == ns[0])
                 .cte("up", recursive=True)
             )
+            # Every step stays in the namespace: a chain never crosses into another's.
             up = up.union_all(
-                sa.select(PrefixNode.prefix_hash, PrefixNode.parent_hash).join(
-                    up, PrefixNode.prefix_hash == up.c.parent_hash
-                )
+                sa.select(PrefixNode.prefix_hash, PrefixNode.parent_hash)
+                .join(up, PrefixNode.prefix_hash == up.c.parent_hash)
+                .where(PrefixNode.namespace_id == ns[0])
             )
             rows = conn.execute(
                 sa.select(PrefixNode)
@@ -90,9 +91,9 @@ class Lineage:
             .cte("down", recursive=True)
         )
         return down.union_all(
-            sa.select(PrefixNode.prefix_hash).join(
-                down, PrefixNode.parent_hash == down.c.prefix_hash
-            )
+            sa.select(PrefixNode.prefix_hash)
+            .join(down, PrefixNode.parent_hash == down.c.prefix_hash)
+            .where(PrefixNode.namespace_id == ns_id)
         )
 
     def descendants(self, namespace: str, prefix_hash: bytes) -> list[PrefixInfo]:
@@ -151,7 +152,10 @@ class Lineage:
                         Chunk.prefix_hash,
                     )
                     .join(Chunk, Chunk.blob_key == Replica.blob_key)
-                    .where(Chunk.prefix_hash.in_(sa.select(down2.c.prefix_hash)))
+                    .where(
+                        Chunk.prefix_hash.in_(sa.select(down2.c.prefix_hash)),
+                        Replica.namespace_id == ns[0],
+                    )
                     .order_by(Chunk.prefix_hash, Replica.location)
                 ).all()
                 directives = [

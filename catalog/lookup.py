@@ -82,14 +82,14 @@ class Lookups:
                 return miss
             cs = ns[1]
             if shard is None:
-                fp = self.db.fingerprint(conn, fp_hex)
+                fp = self.db.fingerprint(conn, fp_hex, ns[0])
                 if fp is None:
                     return miss
                 shard = Shard.full(fp.layout)
             # Full chunks that can serve at least one position below the limit.
             n_full = min(n // cs, -(-limit // cs))
             full = prefix_hashes(namespace, tok, cs, max_chunks=n_full) if n_full else []
-            found = self._chunks_for(conn, fp_hex, shard, full)
+            found = self._chunks_for(conn, ns[0], fp_hex, shard, full)
             # A full chunk's place in the tree is the prompt's own: its parent is the
             # previous hash and it starts at i * cs (the hash commits to both), so the
             # walk never reads the prefix nodes' rows.
@@ -111,7 +111,7 @@ class Lookups:
                     break
             if matched < limit and matched % cs == 0:
                 q_be = tok[matched : matched + cs].astype(">u4").tobytes()
-                partial = self._best_sibling(conn, fp_hex, shard, parent, q_be)
+                partial = self._best_sibling(conn, ns[0], fp_hex, shard, parent, q_be)
                 if partial is not None:
                     used = min(partial[1], limit - matched)
                     chunks.append(_chunk_match(partial[0], used))
@@ -121,9 +121,10 @@ class Lookups:
         return Match(namespace, fp_hex, shard, n, matched, tuple(chunks))
 
     def _chunks_for(
-        self, conn: sa.Connection, fp_hex: str, shard: Shard, hashes: list[bytes]
+        self, conn: sa.Connection, ns_id: int, fp_hex: str, shard: Shard, hashes: list[bytes]
     ) -> dict[bytes, _ChunkRow]:
-        """The usable chunks of these prefix hashes: their row and replicas, best tier first.
+        """The usable chunks of these prefix hashes: their row and namespace `ns_id`'s
+        replicas, best tier first.
 
         One statement: the chunk rows by their identity index, their usable replicas,
         and a probe into the (small) partial index of quarantined nodes; the prefix
@@ -134,7 +135,7 @@ class Lookups:
         """
         if not hashes:
             return {}
-        ident = (fp_hex, shard.layer_lo, shard.layer_hi, shard.head_lo, shard.head_hi)
+        ident = (fp_hex, shard.layer_lo, shard.layer_hi, shard.head_lo, shard.head_hi, ns_id)
         params: tuple[Any, ...]
         if conn.dialect.name == "sqlite":
             sql = _hot_sql_sqlite(len(hashes))
@@ -161,11 +162,18 @@ class Lookups:
         return out
 
     def _best_sibling(
-        self, conn: sa.Connection, fp_hex: str, shard: Shard, parent: bytes, q_be: bytes
+        self,
+        conn: sa.Connection,
+        ns_id: int,
+        fp_hex: str,
+        shard: Shard,
+        parent: bytes,
+        q_be: bytes,
     ) -> tuple[_ChunkRow, int] | None:
         rows = conn.execute(
             _sibling_statement(conn.dialect.name),
             {
+                "ns": ns_id,
                 "fp": fp_hex,
                 "layer_lo": shard.layer_lo,
                 "layer_hi": shard.layer_hi,
@@ -224,6 +232,7 @@ def _sibling_statement(dialect: str) -> Any:
     )
     q_head = sa.bindparam("q_head", type_=Hash)
     q_be = sa.bindparam("q_be", type_=sa.LargeBinary())
+    ns = sa.bindparam("ns", type_=sa.Integer())
     ident = (
         Chunk.fingerprint == fp,
         Chunk.layer_lo == layer_lo,
@@ -239,6 +248,9 @@ def _sibling_statement(dialect: str) -> Any:
         .where(
             Chunk.prefix_hash == PrefixNode.prefix_hash,
             *ident,
+            # The outer node's namespace (already `ns`), not the parameter: a constant here
+            # would let PostgreSQL start from the namespace's replica rows instead.
+            Replica.namespace_id == PrefixNode.namespace_id,
             Replica.state.in_(USABLE_STATES),
         )
         .offset(0)
@@ -246,6 +258,7 @@ def _sibling_statement(dialect: str) -> Any:
     )
     base = sa.select(PrefixNode.prefix_hash).where(
         PrefixNode.parent_hash == sa.bindparam("parent", type_=Hash),
+        PrefixNode.namespace_id == ns,
         PrefixNode.quarantined.is_(False),
         usable,
     )
@@ -285,7 +298,10 @@ def _sibling_statement(dialect: str) -> Any:
         .join(Replica, Replica.blob_key == Chunk.blob_key)
         .where(
             *ident,
+            # The candidates are `ns`'s nodes (the probes filter on it); naming the
+            # constant again here would let PostgreSQL start from the namespace's rows.
             PrefixNode.quarantined.is_(False),
+            Replica.namespace_id == PrefixNode.namespace_id,
             Replica.state.in_(USABLE_STATES),
             Chunk.prefix_hash
             == sa.func.any(sa.func.array(sa.select(candidates.c.prefix_hash).scalar_subquery()))
@@ -335,7 +351,7 @@ _HOT_SELECT = (
     " WHERE c.prefix_hash {hashes}"
     " AND c.fingerprint = {p} AND c.layer_lo = {p} AND c.layer_hi = {p}"
     " AND c.head_lo = {p} AND c.head_hi = {p} AND c.state = 'ready'"
-    " AND r.state IN ('durable', 'ready')"
+    " AND r.namespace_id = {p} AND r.state IN ('durable', 'ready')"
     # Quarantined nodes are few: probe only their partial index (SQLite would
     # otherwise pick the primary key and read every node's row).
     " AND NOT EXISTS (SELECT 1 FROM prefixes q{indexed}"

@@ -48,22 +48,36 @@ class Namespaces:
             ns = self.db.namespace(conn, name)
         return None if ns is None else ns[1]
 
-    def register_fingerprint(self, fp: Fingerprint) -> None:
+    def register_fingerprint(self, fp: Fingerprint, *, namespace: str | None = None) -> None:
         def run() -> None:
             with self.db.write() as conn:
-                self.db.ensure_fingerprint(conn, fp)
+                ns_id = None
+                if namespace is not None:
+                    ns = self.db.namespace(conn, namespace, create_chunk_size=DEFAULT_CHUNK_SIZE)
+                    assert ns is not None
+                    ns_id = ns[0]
+                self.db.ensure_fingerprint(conn, fp, ns_id)
 
         self.db.retrying(run)
 
-    def get_fingerprint(self, fp: Fingerprint | str) -> Fingerprint | None:
-        """The catalogued fingerprint (with its descriptor), or None."""
+    def get_fingerprint(
+        self, fp: Fingerprint | str, *, namespace: str | None = None
+    ) -> Fingerprint | None:
+        """The catalogued fingerprint (with its descriptor), or None; with `namespace`, only
+        one that namespace registered or published under."""
         with self.db.read() as conn:
-            return self.db.fingerprint(conn, fingerprint_hex(fp))
+            if namespace is None:
+                return self.db.fingerprint(conn, fingerprint_hex(fp))
+            ns = self.db.namespace(conn, namespace)
+            if ns is None:
+                return None
+            return self.db.fingerprint(conn, fingerprint_hex(fp), ns[0])
 
     def stats(self, namespace: str | None = None) -> dict[str, Any]:
         """Counts and bytes for a namespace (or all): chunks, prefixes, refs, replicas by state."""
         with self.db.read() as conn:
             ns_filter: Any = sa.true()
+            replica_filter: Any = sa.true()
             if namespace is not None:
                 ns = self.db.namespace(conn, namespace)
                 if ns is None:
@@ -77,6 +91,7 @@ class Namespaces:
                         "replicas": {},
                     }
                 ns_filter = PrefixNode.namespace_id == ns[0]
+                replica_filter = Replica.namespace_id == ns[0]
             chunks = conn.execute(
                 sa.select(
                     sa.func.count(),
@@ -98,13 +113,7 @@ class Namespaces:
             refs = conn.execute(refs_q).scalar_one()
             by_state = conn.execute(
                 sa.select(Replica.state, sa.func.count())
-                .where(
-                    Replica.blob_key.in_(
-                        sa.select(Chunk.blob_key)
-                        .join(PrefixNode, PrefixNode.prefix_hash == Chunk.prefix_hash)
-                        .where(ns_filter)
-                    )
-                )
+                .where(replica_filter)
                 .group_by(Replica.state)
             ).all()
         return {

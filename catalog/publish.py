@@ -50,7 +50,7 @@ def record_in(
             ns = db.namespace(conn, r.namespace, create_chunk_size=DEFAULT_CHUNK_SIZE)
             assert ns is not None
             ns_ids[r.namespace] = ns
-        db.ensure_fingerprint(conn, r.fingerprint)
+        db.ensure_fingerprint(conn, r.fingerprint, ns_ids[r.namespace][0])
     # Parents: the root, a node in this batch, or a catalogued node.
     own = {r.prefix_hash: r for r in records}
     needed = {r.parent_hash for r in records if r.token_start > 0 and r.parent_hash not in own}
@@ -65,7 +65,14 @@ def record_in(
     )
     known = prefix_rows(conn, needed | set(own))
     for r in records:
-        chunk_size = ns_ids[r.namespace][1]
+        ns_id, chunk_size = ns_ids[r.namespace]
+        mine = known.get(r.prefix_hash)
+        if mine is not None and mine.namespace_id != ns_id:
+            # Only a chain grafted onto another namespace's node could name it (and the
+            # parent check below refuses those): answer as for any uncatalogued parent.
+            raise MissingParentError(
+                f"parent prefix {r.parent_hash.hex()} of chunk {r.prefix_hash.hex()} is not catalogued"
+            )
         if r.token_start % chunk_size or len(r.tokens) > chunk_size:
             raise PublishError(
                 f"chunk at token {r.token_start} with {len(r.tokens)} tokens does not fit "
@@ -74,6 +81,12 @@ def record_in(
         if r.token_start == 0:
             continue
         parent = own.get(r.parent_hash) or known.get(r.parent_hash)
+        if isinstance(parent, ChunkRecord) and parent.namespace != r.namespace:
+            parent = None
+        elif parent is not None and not isinstance(parent, ChunkRecord):
+            # A parent in another namespace is a missing parent: a tenant's chain never
+            # extends another's, whatever hashes it knows (they are computable).
+            parent = parent if parent.namespace_id == ns_id else None
         if parent is None:
             raise MissingParentError(
                 f"parent prefix {r.parent_hash.hex()} of chunk {r.prefix_hash.hex()} is not catalogued"
@@ -193,8 +206,15 @@ def record_in(
                 .with_for_update(key_share=True)
             )
         conn.execute(sa.update(Chunk).where(Chunk.id.in_(seen_ids)).values(last_seen_at=now))
-    replicas_added = add_replicas(
-        db, conn, [(r.blob_key, rc) for r in kept_records for rc in r.receipts], now
+    replicas_added = sum(
+        add_replicas(
+            db,
+            conn,
+            ns_id,
+            [(r.blob_key, rc) for r in kept_records if r.namespace == name for rc in r.receipts],
+            now,
+        )
+        for name, (ns_id, _) in sorted(ns_ids.items())
     )
     db.event(
         conn,
@@ -245,9 +265,12 @@ def prefix_rows(conn: sa.Connection, hashes: set[bytes]) -> dict[bytes, Any]:
     if not hashes:
         return {}
     rows = conn.execute(
-        sa.select(PrefixNode.prefix_hash, PrefixNode.token_start, PrefixNode.token_count).where(
-            PrefixNode.prefix_hash.in_(list(hashes))
-        )
+        sa.select(
+            PrefixNode.prefix_hash,
+            PrefixNode.namespace_id,
+            PrefixNode.token_start,
+            PrefixNode.token_count,
+        ).where(PrefixNode.prefix_hash.in_(list(hashes)))
     ).all()
     return {r.prefix_hash: r for r in rows}
 

@@ -85,8 +85,9 @@ def apply_gc(
     retries after this run). The mark spares a planned node that has since become a
     root, gained a child that stays, or been re-recorded, and with it its ancestors.
 
-    A blob another kept chunk still names keeps its bytes and replicas (keys are
-    content addressed). A replica whose bytes `delete_blob` could not delete stays,
+    A blob another kept chunk of the namespace still names keeps its bytes and replicas
+    (keys are content addressed); bytes another namespace also holds a replica of at that
+    location are not deleted either (only this namespace's row goes). A replica whose bytes `delete_blob` could not delete stays,
     marked `deleting`, so bytes are never left without a row naming them;
     `resume_gc` (which `kvc gc` runs first) finishes it later.
     """
@@ -148,7 +149,7 @@ def apply_gc(
             ids = {i.chunk_id for i in live}
             for batch in _batches(sorted(ids)):
                 conn.execute(sa.update(Chunk).where(Chunk.id.in_(batch)).values(state="purging"))
-            replicas = _mark_deleting(conn, live, ids, result, ns_name, actor, now)
+            replicas = _mark_deleting(conn, ns[0], live, ids, result, ns_name, actor, now)
             return live, replicas
 
     live, replicas = cat.db.retrying(mark)
@@ -158,6 +159,7 @@ def apply_gc(
 
 def _mark_deleting(
     conn: sa.Connection,
+    ns_id: int,
     live: list[GcItem],
     ids: set[int],
     result: GcResult,
@@ -165,26 +167,61 @@ def _mark_deleting(
     actor: str | None,
     now: datetime,
 ) -> dict[str, list[str]]:
-    """Mark the replicas of the purged chunks' blobs `deleting` (unless a kept chunk shares one)."""
+    """Mark namespace `ns_id`'s replicas of the purged chunks' blobs `deleting` (unless a
+    kept chunk of the namespace shares one); return the (key -> locations) to delete.
+
+    Bytes that another namespace also holds a replica of at the same location stay: this
+    namespace's row is forgotten, the bytes are not deleted (nor is the other's row marked).
+    """
     keys = sorted({i.blob_key for i in live})
     shared: set[str] = set()
     for batch in _batches(keys):
         for k, cid in conn.execute(
-            sa.select(Chunk.blob_key, Chunk.id).where(Chunk.blob_key.in_(batch))
+            sa.select(Chunk.blob_key, Chunk.id)
+            .join(PrefixNode, PrefixNode.prefix_hash == Chunk.prefix_hash)
+            .where(Chunk.blob_key.in_(batch), PrefixNode.namespace_id == ns_id)
         ):
             if cid not in ids:
                 shared.add(k)
-    result.shared_blobs = sorted(shared)
+    result.shared_blobs += sorted(shared)
     doomed = [k for k in keys if k not in shared]
     replicas: dict[str, list[str]] = {}
     for batch in _batches(doomed):
-        conn.execute(sa.update(Replica).where(Replica.blob_key.in_(batch)).values(state="deleting"))
+        others = {
+            (k, loc)
+            for k, loc in conn.execute(
+                sa.select(Replica.blob_key, Replica.location).where(
+                    Replica.blob_key.in_(batch), Replica.namespace_id != ns_id
+                )
+            )
+        }
+        forget: list[tuple[str, str]] = []
         for k, loc in conn.execute(
             sa.select(Replica.blob_key, Replica.location)
-            .where(Replica.blob_key.in_(batch))
+            .where(Replica.blob_key.in_(batch), Replica.namespace_id == ns_id)
             .order_by(Replica.blob_key, Replica.location)
         ):
-            replicas.setdefault(k, []).append(loc)
+            if (k, loc) in others:
+                forget.append((k, loc))
+            else:
+                replicas.setdefault(k, []).append(loc)
+        for k, loc in forget:
+            conn.execute(
+                sa.delete(Replica).where(
+                    Replica.blob_key == k, Replica.namespace_id == ns_id, Replica.location == loc
+                )
+            )
+        for k, locs in replicas.items():
+            if k in batch:
+                conn.execute(
+                    sa.update(Replica)
+                    .where(
+                        Replica.blob_key == k,
+                        Replica.namespace_id == ns_id,
+                        Replica.location.in_(locs),
+                    )
+                    .values(state="deleting")
+                )
     _events(
         conn,
         [
@@ -371,7 +408,8 @@ def resume_gc(
     progress: Callable[[int], object] | None = None,
 ) -> GcResult:
     """Finish what an interrupted or partly failed GC left: chunks still `purging` and
-    replicas still `deleting` whose blob no ready chunk names. Run under the GC lock.
+    replicas still `deleting` whose blob no ready chunk of their namespace names. Run under
+    the GC lock.
 
     Until this runs, a publish of those chunks is refused with `PurgeInProgressError`
     (its bytes would be deleted under it), so `kvc gc` runs it before anything else.
@@ -381,8 +419,25 @@ def resume_gc(
     def mark() -> tuple[list[GcItem], dict[str, list[str]]]:
         with cat.db.write() as conn:
             now = utcnow()
-            live = [
-                GcItem(
+            live: list[GcItem] = []
+            by_ns: dict[tuple[int, str], list[GcItem]] = {}
+            for r in conn.execute(
+                sa.select(
+                    Chunk.id,
+                    Chunk.prefix_hash,
+                    Chunk.fingerprint,
+                    Chunk.blob_key,
+                    Chunk.stored_bytes,
+                    Namespace.id.label("ns_id"),
+                    Namespace.name.label("ns_name"),
+                )
+                .join(PrefixNode, PrefixNode.prefix_hash == Chunk.prefix_hash)
+                .join(Namespace, Namespace.id == PrefixNode.namespace_id)
+                .where(Chunk.state == "purging")
+                .order_by(Chunk.id)
+                .with_for_update(of=Chunk)
+            ):
+                item = GcItem(
                     int(r.id),
                     r.prefix_hash,
                     r.fingerprint,
@@ -390,27 +445,29 @@ def resume_gc(
                     int(r.stored_bytes),
                     "resumed",
                 )
-                for r in conn.execute(
-                    sa.select(
-                        Chunk.id,
-                        Chunk.prefix_hash,
-                        Chunk.fingerprint,
-                        Chunk.blob_key,
-                        Chunk.stored_bytes,
-                    )
-                    .where(Chunk.state == "purging")
-                    .order_by(Chunk.id)
-                    .with_for_update()
-                )
-            ]
+                live.append(item)
+                by_ns.setdefault((r.ns_id, r.ns_name), []).append(item)
             ids = {i.chunk_id for i in live}
-            replicas = _mark_deleting(conn, live, ids, result, None, actor, now) if live else {}
-            ready = sa.select(Chunk.id).where(
-                Chunk.blob_key == Replica.blob_key, Chunk.state == "ready"
+            replicas: dict[str, list[str]] = {}
+            for (ns_id, ns_name), items in sorted(by_ns.items()):
+                found = _mark_deleting(conn, ns_id, items, ids, result, ns_name, actor, now)
+                for k, locs in found.items():
+                    known = replicas.setdefault(k, [])
+                    known += [loc for loc in locs if loc not in known]
+            # Replicas left `deleting` whose blob no ready chunk of their namespace names.
+            ready = (
+                sa.select(Chunk.id)
+                .join(PrefixNode, PrefixNode.prefix_hash == Chunk.prefix_hash)
+                .where(
+                    Chunk.blob_key == Replica.blob_key,
+                    Chunk.state == "ready",
+                    PrefixNode.namespace_id == Replica.namespace_id,
+                )
             )
             for k, loc in conn.execute(
                 sa.select(Replica.blob_key, Replica.location)
                 .where(Replica.state == "deleting", ~ready.exists())
+                .distinct()
                 .order_by(Replica.blob_key, Replica.location)
             ):
                 if loc not in replicas.setdefault(k, []):

@@ -220,12 +220,17 @@ class RemoteCatalog:
             return None
         return self._parse(resp, NamespaceResponse).chunk_size
 
-    def register_fingerprint(self, fp: Fingerprint) -> None:
-        self._call("POST", self.namespace, "fingerprints", {"descriptor": dict(fp.descriptor)})
+    def register_fingerprint(self, fp: Fingerprint, *, namespace: str | None = None) -> None:
+        body = {"descriptor": dict(fp.descriptor)}
+        self._call("POST", namespace or self.namespace, "fingerprints", body)
 
-    def get_fingerprint(self, fp: Fingerprint | str) -> Fingerprint | None:
+    def get_fingerprint(
+        self, fp: Fingerprint | str, *, namespace: str | None = None
+    ) -> Fingerprint | None:
         try:
-            resp = self._call("GET", self.namespace, f"fingerprints/{fingerprint_hex(fp)}")
+            resp = self._call(
+                "GET", namespace or self.namespace, f"fingerprints/{fingerprint_hex(fp)}"
+            )
         except NotFoundError:
             return None
         return Fingerprint.from_descriptor(self._parse(resp, FingerprintModel).descriptor)

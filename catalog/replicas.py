@@ -35,9 +35,18 @@ log = logging.getLogger(__name__)
 
 
 def add_replicas(
-    db: Database, conn: sa.Connection, items: Sequence[tuple[str, Any]], now: datetime
+    db: Database,
+    conn: sa.Connection,
+    ns_id: int,
+    items: Sequence[tuple[str, Any]],
+    now: datetime,
 ) -> int:
-    """Insert replica rows (each with its receipt); revive known-broken ones; return how many are new."""
+    """Insert namespace `ns_id`'s replica rows (each with its receipt); revive its known-broken
+    ones; return how many are new.
+
+    Refused (`PurgeInProgressError`) while a GC, of any namespace, is deleting the same bytes
+    at the same location: the bytes this receipt vouches for would be gone under it.
+    """
     if not items:
         return 0
     stores = sorted({rc.location: rc.tier for _, rc in items if rc.tier != "resident"}.items())
@@ -53,6 +62,7 @@ def add_replicas(
     for key, rc in items:
         rows[(key, rc.location)] = {
             "blob_key": key,
+            "namespace_id": ns_id,
             "location": rc.location,
             "tier": rc.tier,
             "state": "durable",
@@ -65,17 +75,22 @@ def add_replicas(
             "worker": rc.worker,
         }
     keys = sorted({k for k, _ in rows})
-    existing = {
-        (r.blob_key, r.location): r.state
-        for r in conn.execute(
-            sa.select(Replica.blob_key, Replica.location, Replica.state).where(
-                Replica.blob_key.in_(keys)
-            )
+    existing: dict[tuple[str, str], str] = {}
+    deleting: list[tuple[str, str]] = []
+    for r in conn.execute(
+        sa.select(Replica.blob_key, Replica.namespace_id, Replica.location, Replica.state).where(
+            Replica.blob_key.in_(keys)
         )
-    }
-    deleting = sorted(k for k, state in existing.items() if k in rows and state == "deleting")
+    ):
+        k = (r.blob_key, r.location)
+        if k not in rows:
+            continue
+        if r.state == "deleting":
+            deleting.append(k)
+        if r.namespace_id == ns_id:
+            existing[k] = r.state
     if deleting:
-        key, loc = deleting[0]
+        key, loc = sorted(deleting)[0]
         raise PurgeInProgressError(
             f"GC is deleting blob {key} at {loc}; nothing was changed: "
             "put it again and retry once the GC run finishes"
@@ -84,32 +99,60 @@ def add_replicas(
     if new:
         conn.execute(
             db.insert(conn, Replica).on_conflict_do_nothing(
-                index_elements=["blob_key", "location"]
+                index_elements=["blob_key", "namespace_id", "location"]
             ),
             new,
         )
     # A fresh receipt for a replica known to be broken means the bytes were put
     # again: it is durable once more. Healthy replicas are left untouched.
     for k, state in existing.items():
-        if k in rows and state in ("missing", "corrupt"):
-            values = {c: v for c, v in rows[k].items() if c not in ("blob_key", "location")}
+        if state in ("missing", "corrupt"):
+            values = {
+                c: v
+                for c, v in rows[k].items()
+                if c not in ("blob_key", "namespace_id", "location")
+            }
             conn.execute(
                 sa.update(Replica)
-                .where(Replica.blob_key == k[0], Replica.location == k[1])
+                .where(
+                    Replica.blob_key == k[0],
+                    Replica.namespace_id == ns_id,
+                    Replica.location == k[1],
+                )
                 .values(**values)
             )
     return len(new)
 
 
+def namespaces_holding(conn: sa.Connection, blob_key: str, namespace: str | None) -> list[int]:
+    """Ids of the namespaces (only `namespace`, if given) with a chunk naming `blob_key`,
+    their chunk rows locked; `NotFoundError` if none, `PurgeInProgressError` if GC has them."""
+    q = (
+        sa.select(PrefixNode.namespace_id, Chunk.state)
+        .select_from(Chunk)
+        .join(PrefixNode, PrefixNode.prefix_hash == Chunk.prefix_hash)
+        .where(Chunk.blob_key == blob_key)
+        .order_by(Chunk.id)
+    )
+    if namespace is not None:
+        q = q.join(Namespace, Namespace.id == PrefixNode.namespace_id).where(
+            Namespace.name == namespace
+        )
+    rows = conn.execute(q.with_for_update(of=Chunk)).all()
+    if not rows:
+        raise NotFoundError(f"no catalogued chunk has blob key {blob_key}")
+    ready = sorted({r.namespace_id for r in rows if r.state == "ready"})
+    if not ready:
+        raise PurgeInProgressError(f"the chunk with blob key {blob_key} is being purged by GC")
+    return ready
+
+
 def _in_namespace(namespace: str | None) -> Any:
-    """A clause on `Replica` keeping only blobs of `namespace`'s chunks (everything for None)."""
+    """A clause keeping only `namespace`'s replica rows (every namespace's for None)."""
     if namespace is None:
         return sa.true()
-    return Replica.blob_key.in_(
-        sa.select(Chunk.blob_key)
-        .join(PrefixNode, PrefixNode.prefix_hash == Chunk.prefix_hash)
-        .join(Namespace, Namespace.id == PrefixNode.namespace_id)
-        .where(Namespace.name == namespace)
+    return Replica.namespace_id == (
+        sa.select(Namespace.id).where(Namespace.name == namespace).scalar_subquery()
     )
 
 
@@ -125,23 +168,10 @@ class Replicas:
 
         def run() -> bool:
             with self.db.write() as conn:
-                states = (
-                    conn.execute(
-                        sa.select(Chunk.state)
-                        .where(Chunk.blob_key == blob_key)
-                        .order_by(Chunk.id)
-                        .with_for_update()
-                    )
-                    .scalars()
-                    .all()
-                )
-                if not states:
-                    raise NotFoundError(f"no catalogued chunk has blob key {blob_key}")
-                if "ready" not in states:
-                    raise PurgeInProgressError(
-                        f"the chunk with blob key {blob_key} is being purged by GC"
-                    )
-                added = add_replicas(self.db, conn, [(blob_key, receipt)], utcnow())
+                added = 0
+                now = utcnow()
+                for ns_id in namespaces_holding(conn, blob_key, namespace):
+                    added += add_replicas(self.db, conn, ns_id, [(blob_key, receipt)], now)
                 self.db.event(
                     conn,
                     "replica",
@@ -166,7 +196,10 @@ class Replicas:
     ) -> bool:
         """Set a replica's state (`corrupt`, `missing`, `deleting`, `durable`) with an event saying why.
 
-        Returns False when there is no such replica (nothing changes then).
+        With `namespace`, only that namespace's replica row changes (a tenant's reader
+        marks what it read); without, every namespace's row of these bytes (fsck, which
+        read the bytes themselves). Returns False when there is no such replica (nothing
+        changes then).
         """
         if state not in ("durable", "ready", "corrupt", "missing", "deleting"):
             raise CatalogInputError(f"unknown replica state {state!r}")
@@ -178,12 +211,13 @@ class Replicas:
                     .where(
                         Replica.blob_key == blob_key,
                         Replica.location == location,
+                        _in_namespace(namespace),
                         # GC owns a replica it is deleting; a reader that found it gone is not news.
                         Replica.state != "deleting" if state != "deleting" else sa.true(),
                     )
                     .values(state=state)
                 )
-                if res.rowcount != 1:
+                if res.rowcount < 1:
                     return False
                 self.db.event(
                     conn,
@@ -225,6 +259,7 @@ class Replicas:
             rows = conn.execute(
                 sa.select(Replica.blob_key)
                 .where(Replica.location == location, _in_namespace(namespace))
+                .distinct()
                 .order_by(Replica.blob_key)
             )
             return list(rows.scalars())
@@ -289,7 +324,11 @@ class Replicas:
             return {}
         with self.db.read() as conn:
             rows = conn.execute(
-                sa.select(Chunk.prefix_hash, Chunk.blob_key).where(
+                sa.select(Chunk.prefix_hash, Chunk.blob_key)
+                .join(PrefixNode, PrefixNode.prefix_hash == Chunk.prefix_hash)
+                .join(Namespace, Namespace.id == PrefixNode.namespace_id)
+                .where(
+                    Namespace.name == namespace,
                     Chunk.state == "ready",  # one GC is purging must be put again
                     Chunk.fingerprint == fp,
                     Chunk.prefix_hash.in_(list(prefix_hashes)),

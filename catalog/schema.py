@@ -18,6 +18,7 @@ from sqlalchemy import (
     Integer,
     LargeBinary,
     MetaData,
+    PrimaryKeyConstraint,
     String,
     Text,
     TypeDecorator,
@@ -87,6 +88,15 @@ class FingerprintRow(Base):
     __tablename__ = "fingerprints"
     hex: Mapped[str] = mapped_column(String(64), primary_key=True)
     descriptor: Mapped[dict[str, Any]]
+    created_at: Mapped[datetime]
+
+
+class NamespaceFingerprint(Base):
+    """That a namespace registered (or published under) a fingerprint: a tenant sees only its own."""
+
+    __tablename__ = "namespace_fingerprints"
+    namespace_id: Mapped[int] = mapped_column(ForeignKey("namespaces.id"), primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(ForeignKey("fingerprints.hex"), primary_key=True)
     created_at: Mapped[datetime]
 
 
@@ -194,11 +204,17 @@ class Store(Base):
 
 
 class Replica(Base):
-    """Where a blob's bytes are (a store, or a worker's pool), with the receipt that proves it."""
+    """Where a blob's bytes are (a store, or a worker's pool), with the receipt that proves it.
+
+    A row is one namespace's claim: tenants sharing a store each hold their own rows, so a
+    mark or a removal by one never changes what another reads, and GC deletes bytes only
+    once no namespace holds a replica of them at that location.
+    """
 
     __tablename__ = "replicas"
-    blob_key: Mapped[str] = mapped_column(String(64), primary_key=True)
-    location: Mapped[str] = mapped_column(String(1024), primary_key=True)
+    blob_key: Mapped[str] = mapped_column(String(64))
+    namespace_id: Mapped[int] = mapped_column(ForeignKey("namespaces.id"))
+    location: Mapped[str] = mapped_column(String(1024))
     tier: Mapped[str] = mapped_column(String(16))
     state: Mapped[str] = mapped_column(String(16))
     size: Mapped[int] = mapped_column(BigInteger)
@@ -210,6 +226,7 @@ class Replica(Base):
     worker: Mapped[str | None] = mapped_column(String(255))
 
     __table_args__ = (
+        PrimaryKeyConstraint("blob_key", "namespace_id", "location"),
         CheckConstraint(
             "state IN ('durable', 'ready', 'corrupt', 'missing', 'deleting')", name="state_known"
         ),

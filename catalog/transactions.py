@@ -39,11 +39,12 @@ from catalog.clock import utcnow
 from catalog.errors import CatalogUnavailableError, OutcomeUnknownError, PurgeInProgressError
 from catalog.identity import Fingerprint, chain_root
 from catalog.lru import LRU
-from catalog.schema import Chunk, Event, FingerprintRow, Namespace
+from catalog.schema import Chunk, Event, FingerprintRow, Namespace, NamespaceFingerprint
 
 T = TypeVar("T")
 
 CACHE_ENTRIES = 4096  # namespaces, and fingerprints, each cache keeps (least recently used go)
+FINGERPRINT_CACHE_BYTES = 16 << 20  # the descriptors the fingerprint cache keeps, at most
 
 _AFTER_COMMIT = "kvc_after_commit"  # conn.info key: callbacks run once the write commits
 _RETRYABLE_PG = {"40001", "40P01"}  # serialization failure, deadlock detected
@@ -122,7 +123,10 @@ class Database:
         # Rows that never change once committed, cached by name / hex; bounded so a
         # catalog with very many namespaces or fingerprints cannot grow the process.
         self._ns_cache: LRU[str, tuple[int, int]] = LRU(CACHE_ENTRIES)
-        self._fp_cache: LRU[str, Fingerprint] = LRU(CACHE_ENTRIES)
+        self._fp_cache: LRU[str, Fingerprint] = LRU(
+            CACHE_ENTRIES, max_weight=FINGERPRINT_CACHE_BYTES, weigh=lambda fp: len(fp.canonical)
+        )
+        self._ns_fp_cache: LRU[tuple[int, str], bool] = LRU(CACHE_ENTRIES)
         self.changes = ChangeFeed()
 
     def _unavailable(self, exc: DBAPIError) -> CatalogUnavailableError:
@@ -245,21 +249,42 @@ class Database:
         self.after_commit(conn, lambda: self._ns_cache.put(name, found))
         return found
 
-    def ensure_fingerprint(self, conn: sa.Connection, fp: Fingerprint) -> None:
-        """Store the fingerprint's descriptor if it is not catalogued yet."""
-        if fp.hex in self._fp_cache:
+    def ensure_fingerprint(self, conn: sa.Connection, fp: Fingerprint, ns_id: int | None) -> None:
+        """Store the fingerprint's descriptor if it is not catalogued yet, and note that
+        namespace `ns_id` uses it (a tenant reads only the fingerprints it registered)."""
+        if fp.hex not in self._fp_cache:
+            conn.execute(
+                self.insert(conn, FingerprintRow)
+                .values(hex=fp.hex, descriptor=dict(fp.descriptor), created_at=utcnow())
+                .on_conflict_do_nothing(index_elements=["hex"])
+            )
+            # Cached only once committed: a refused publish must not leave the cache
+            # believing its fingerprint is catalogued.
+            self.after_commit(conn, lambda: self._fp_cache.put(fp.hex, fp))
+        if ns_id is None or (ns_id, fp.hex) in self._ns_fp_cache:
             return
         conn.execute(
-            self.insert(conn, FingerprintRow)
-            .values(hex=fp.hex, descriptor=dict(fp.descriptor), created_at=utcnow())
-            .on_conflict_do_nothing(index_elements=["hex"])
+            self.insert(conn, NamespaceFingerprint)
+            .values(namespace_id=ns_id, fingerprint=fp.hex, created_at=utcnow())
+            .on_conflict_do_nothing(index_elements=["namespace_id", "fingerprint"])
         )
-        # Cached only once committed: a refused publish must not leave the cache
-        # believing its fingerprint is catalogued.
-        self.after_commit(conn, lambda: self._fp_cache.put(fp.hex, fp))
+        self.after_commit(conn, lambda: self._ns_fp_cache.put((ns_id, fp.hex), True))
 
-    def fingerprint(self, conn: sa.Connection, hex_: str) -> Fingerprint | None:
-        """The catalogued fingerprint with this hex, or None."""
+    def fingerprint(
+        self, conn: sa.Connection, hex_: str, ns_id: int | None = None
+    ) -> Fingerprint | None:
+        """The catalogued fingerprint with this hex (only if namespace `ns_id` uses it, when
+        given), or None."""
+        if ns_id is not None and (ns_id, hex_) not in self._ns_fp_cache:
+            used = conn.execute(
+                sa.select(sa.literal(1)).where(
+                    NamespaceFingerprint.namespace_id == ns_id,
+                    NamespaceFingerprint.fingerprint == hex_,
+                )
+            ).first()
+            if used is None:
+                return None
+            self._ns_fp_cache.put((ns_id, hex_), True)
         found = self._fp_cache.get(hex_)
         if found is None:
             desc = conn.execute(

@@ -242,7 +242,7 @@ class Daemon:
                 )
                 if not same:
                     # Register first, so other workers can name this fingerprint by hex.
-                    self.catalog.register_fingerprint(fp)
+                    self.catalog.register_fingerprint(fp, namespace=self.namespace)
                     self._residency.use_pool(PagePool(layout, ps, num_pages=num_pages))
                     self._fingerprint = fp
                     self._counts["configures"] += 1
@@ -403,7 +403,9 @@ class Daemon:
             if spec == REFERENCE:
                 return next(iter(engines.values())).fingerprint
             try:
-                found = self.catalog.get_fingerprint(fingerprint_hex(spec.lower()))
+                found = self.catalog.get_fingerprint(
+                    fingerprint_hex(spec.lower()), namespace=self.namespace
+                )
             except IdentityError:
                 found = None
             if found is None and spec.lower() in engines:

@@ -15,7 +15,7 @@ VIEWS = (
 )
 
 
-def _sql(dialect: str) -> dict[str, str]:
+def _sql(dialect: str, replica_namespaces: bool) -> dict[str, str]:
     if dialect == "sqlite":
         hexs = "lower(hex({}))"
         age = "((julianday('now') - julianday({})) * 86400.0)"
@@ -25,6 +25,8 @@ def _sql(dialect: str) -> dict[str, str]:
         age = "extract(epoch from (now() - {}))"
         jtext = "({} ->> '{}')"
     h = hexs.format
+    # From revision 0005 a replica row belongs to a namespace: count a chunk's own.
+    own = " AND r.namespace_id = p.namespace_id" if replica_namespaces else ""
     return {
         "v_prefixes": f"""
             SELECT n.name AS namespace, {h("p.prefix_hash")} AS prefix, {h("p.parent_hash")} AS parent,
@@ -38,12 +40,20 @@ def _sql(dialect: str) -> dict[str, str]:
                    c.layer_lo, c.layer_hi, c.head_lo, c.head_hi, c.blob_key, c.codec,
                    c.stored_bytes, c.kv_bytes, c.state, p.quarantined, c.created_at, c.last_seen_at,
                    c.last_access_at, c.access_count,
-                   (SELECT count(*) FROM replicas r WHERE r.blob_key = c.blob_key) AS replicas,
-                   (SELECT count(*) FROM replicas r WHERE r.blob_key = c.blob_key
+                   (SELECT count(*) FROM replicas r WHERE r.blob_key = c.blob_key{own}) AS replicas,
+                   (SELECT count(*) FROM replicas r WHERE r.blob_key = c.blob_key{own}
                       AND r.state IN ('durable', 'ready')) AS usable_replicas
             FROM chunks c JOIN prefixes p ON p.prefix_hash = c.prefix_hash
             JOIN namespaces n ON n.id = p.namespace_id""",
         "v_replica_health": f"""
+            SELECT n.name AS namespace, r.blob_key, r.location, r.tier, r.state, r.size, r.etag,
+                   r.checksum, r.stored_at, r.last_verified_at, r.worker,
+                   {age.format("r.last_verified_at")} AS seconds_since_verified,
+                   (SELECT count(*) FROM chunks c JOIN prefixes p ON p.prefix_hash = c.prefix_hash
+                      WHERE c.blob_key = r.blob_key AND p.namespace_id = r.namespace_id) AS chunks
+            FROM replicas r JOIN namespaces n ON n.id = r.namespace_id"""
+        if replica_namespaces
+        else f"""
             SELECT r.blob_key, r.location, r.tier, r.state, r.size, r.etag, r.checksum, r.stored_at,
                    r.last_verified_at, r.worker,
                    {age.format("r.last_verified_at")} AS seconds_since_verified,
@@ -75,8 +85,9 @@ def _sql(dialect: str) -> dict[str, str]:
     }
 
 
-def create_views() -> None:
-    sql = _sql(op.get_bind().dialect.name)
+def create_views(*, replica_namespaces: bool = True) -> None:
+    """Create the views as of the newest revision (`replica_namespaces=False`: before 0005)."""
+    sql = _sql(op.get_bind().dialect.name, replica_namespaces)
     for name in VIEWS:
         op.execute(f"CREATE VIEW {name} AS {sql[name]}")
 

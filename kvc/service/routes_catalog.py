@@ -60,7 +60,7 @@ def register_fingerprint(
     ns: Ns, body: RegisterFingerprintRequest, catalog: Cat
 ) -> FingerprintModel:
     fp = Fingerprint.from_descriptor(body.descriptor)
-    catalog.register_fingerprint(fp)
+    catalog.register_fingerprint(fp, namespace=ns)
     return FingerprintModel(fingerprint=fp.hex, descriptor=dict(fp.descriptor))
 
 
@@ -68,7 +68,7 @@ def register_fingerprint(
     "/fingerprints/{fingerprint}", response_model=FingerprintModel, responses=refusals(body=False)
 )
 def get_fingerprint(ns: Ns, fingerprint: Hex64, catalog: Cat) -> FingerprintModel:
-    fp = catalog.get_fingerprint(fingerprint)
+    fp = catalog.get_fingerprint(fingerprint, namespace=ns)
     if fp is None:
         raise not_found()
     return FingerprintModel(fingerprint=fp.hex, descriptor=dict(fp.descriptor))
@@ -117,7 +117,7 @@ def publish(
         fps[hex_] = fp
     records = []
     for r in body.records:
-        fp_or_none = fps.get(r.fingerprint) or catalog.get_fingerprint(r.fingerprint)
+        fp_or_none = fps.get(r.fingerprint) or catalog.get_fingerprint(r.fingerprint, namespace=ns)
         if fp_or_none is None:
             raise HTTPException(
                 status_code=422,

@@ -160,7 +160,7 @@ def upgrade() -> None:
         batch_op.create_index('ix_refs_head', ['head_hash'], unique=False)
 
     # ### end Alembic commands ###
-    create_views()
+    create_views(replica_namespaces=False)
 
 
 def downgrade() -> None:
