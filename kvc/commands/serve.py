@@ -173,14 +173,38 @@ def _serve_processes(
         )
 
 
-@click.command("serve-hash-token", epilog="Example: kvc serve-hash-token < token.txt")
+# The tokens file holds a plain sha256 of each token (no salt, no stretching, so that a
+# request is checked in microseconds): the token itself must be unguessable. 32 characters
+# is 128 bits as hex (`openssl rand -hex 16`), out of reach of an offline search of the hash.
+MIN_TOKEN_CHARS = 32
+
+
+@click.command(
+    "serve-hash-token",
+    epilog="""Example:
+
+\b
+  openssl rand -hex 32 > token.txt   # 64 random hex characters
+  kvc serve-hash-token < token.txt""",
+)
 def serve_hash_token() -> None:
-    """Print the sha256 hex of the token read from stdin (one line), for a tokens file."""
+    """Print the sha256 hex of the token read from stdin (one line), for a tokens file.
+
+    The token must be at least 32 characters (e.g. `openssl rand -hex 32`): the tokens
+    file keeps an unsalted sha256 of it, so a short token could be found from the file
+    by trying candidates. A shorter one exits 2 and prints nothing."""
     from kvc.service import hash_token
 
     token = sys.stdin.readline().strip()
     if not token:
         fail("no token on stdin", EXIT_USAGE)
+    if len(token) < MIN_TOKEN_CHARS:
+        # Never echo the token, not even in part.
+        fail(
+            f"the token is {len(token)} characters; at least {MIN_TOKEN_CHARS} characters are required "
+            "(make one with `openssl rand -hex 32`)",
+            EXIT_USAGE,
+        )
     click.echo(hash_token(token))
 
 
