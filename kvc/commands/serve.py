@@ -14,6 +14,10 @@ from catalog.identity import is_hex64
 from kvc.commands.common import EXIT_USAGE, fail, open_catalog, settings_options, setup_logging
 from kvc.settings import Settings, default_serve_workers
 
+# Settings read from the environment that may hold a secret: `kvc serve` has read them
+# (into the worker config file), so its worker processes do not inherit them.
+SECRET_ENV = ("KVC_CATALOG_URL", "KVC_SERVICE_TOKEN")
+
 
 def load_tokens(path: Path) -> dict[str, str]:
     """The tokens file: a JSON object mapping namespace -> sha256 hex of its bearer token."""
@@ -140,11 +144,14 @@ def _serve_processes(
     that lives as long as the service."""
     import uvicorn
 
-    from kvc.service.worker import CONFIG_ENV, WorkerConfig
+    from kvc.service.worker import CONFIG_ENV, WorkerConfig, write_config
 
     with open_catalog(settings, journal=False) as cat:
         url = cat.url
-    with tempfile.TemporaryDirectory(prefix="kvc-serve-metrics-") as metrics_dir:
+    with (
+        tempfile.TemporaryDirectory(prefix="kvc-serve-metrics-") as metrics_dir,
+        tempfile.TemporaryDirectory(prefix="kvc-serve-config-") as private,  # mode 0700
+    ):
         config = WorkerConfig(
             catalog_url=settings.resolved_catalog_url,
             journal_stores=settings.resolved_stores if settings.stores else [],
@@ -154,9 +161,13 @@ def _serve_processes(
             threads=threads,
             metrics_dir=metrics_dir,
         )
-        # The workers are new interpreters (spawned): the environment is how they get this,
-        # and prometheus_client reads its variable when it is first imported there.
-        os.environ[CONFIG_ENV] = config.model_dump_json()
+        # The workers are new interpreters (spawned) and inherit this environment: they get
+        # only the path of their config (it holds the catalog URL with its password), and
+        # the variables that carried secrets to this process are not passed on.
+        # prometheus_client reads its variable when it is first imported there.
+        os.environ[CONFIG_ENV] = write_config(config, private)
+        for name in SECRET_ENV:
+            os.environ.pop(name, None)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         click.echo(
             f"kvc: serving {url} for {len(tokens)} namespace(s) on http://{host}:{port}"
