@@ -15,6 +15,15 @@ class ChunkIntegrityError(ChunkStoreError, ValueError):
     """The bytes are well formed but do not match their digest or what was expected of them."""
 
 
+class ChunkLayoutError(ChunkIntegrityError):
+    """A record declares a shape or dtype other than the layout expected of it.
+
+    Raised from the header alone, before any payload is decoded or allocated:
+    a small record may declare gigabytes (a zstd frame of RLE blocks expands
+    32768x), so what it declares is checked against what the reader knows first.
+    """
+
+
 class InvalidKeyError(ChunkStoreError, ValueError):
     """A blob key is not a 64-character lowercase hex blake3 digest."""
 

@@ -151,10 +151,20 @@ class LocalStore(ChunkStore):
             pass
         else:
             if st.st_size == view.nbytes:
-                fresh = self._refresh_if_stale(final, st)
-                if fresh is not None:
-                    return self._receipt(key, fresh)
+                held = self._hashes_to(final, key)
+                if held:
+                    fresh = self._refresh_if_stale(final, st)
+                    if fresh is not None:
+                        return self._receipt(key, fresh)
                 # Deleted (by GC) between stat and refresh: write it again.
+                if held is False:
+                    # Never a receipt for bytes that are not the key's: a corrupt replica
+                    # would be marked durable again. The right bytes are in hand.
+                    logger.warning(
+                        "%s: blob %s on disk does not hash to its key; rewriting it",
+                        self._name,
+                        key,
+                    )
             else:
                 # The right bytes are in hand (just verified), so replacing
                 # the wrong ones repairs the store rather than hiding anything.
@@ -201,6 +211,21 @@ class LocalStore(ChunkStore):
                 ) from exc
             created.append(d)
         return created
+
+    def _hashes_to(self, path: Path, key: str) -> bool | None:
+        """Whether the file at `path` hashes to `key`; None if it is gone (GC deleted it)."""
+        try:
+            with open(path, "rb") as f:
+                if os.fstat(f.fileno()).st_size == 0:
+                    return blake3_hex(b"") == key
+                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                    return blake3_hex(m) == key
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StoreUnavailableError(
+                f"{self._name}: cannot read blob {key} to verify it: {exc.strerror or exc}"
+            ) from exc
 
     def _refresh_if_stale(self, path: Path, st: os.stat_result) -> os.stat_result | None:
         # A publish reusing existing bytes must refresh them, so that GC's

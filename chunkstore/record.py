@@ -43,7 +43,7 @@ from typing_extensions import Buffer
 
 from chunkstore.base import validate_key
 from chunkstore.codecs import CODECS, DEFAULT_CODEC, RawCodec, get_codec
-from chunkstore.errors import ChunkFormatError, ChunkIntegrityError
+from chunkstore.errors import ChunkFormatError, ChunkIntegrityError, ChunkLayoutError
 from chunkstore.header import (
     DTYPES,
     MAX_PAYLOAD_BYTES,
@@ -458,12 +458,26 @@ def read_header(data: Buffer) -> ChunkHeader:
     return header
 
 
+def _check_layout(header: ChunkHeader, shape: Sequence[int] | None, dtype: str | None) -> None:
+    if shape is not None and tuple(header.shape) != tuple(shape):
+        raise ChunkLayoutError(
+            f"record declares shape {list(header.shape)} ({header.raw_size} bytes), "
+            f"expected {list(shape)}; refusing to decode it"
+        )
+    if dtype is not None and header.dtype != dtype:
+        raise ChunkLayoutError(
+            f"record declares dtype {header.dtype!r}, expected {dtype!r}; refusing to decode it"
+        )
+
+
 def decode_chunk(
     data: Buffer,
     *,
     expected_key: str | None = None,
     hash_threads: int | None = None,
     known_header: ChunkHeader | None = None,
+    expected_shape: Sequence[int] | None = None,
+    expected_dtype: str | None = None,
 ) -> DecodedChunk:
     """Verify a whole record and decode its KV (read-only, shaped `header.shape`).
 
@@ -482,6 +496,13 @@ def decode_chunk(
     bytes that hash to it are that record again, and its header is taken as
     known instead of parsed and checked again (a hot prefix restored again
     costs the hash and the copy).
+
+    `expected_shape` / `expected_dtype`: the layout the reader knows the chunk
+    has (from the fingerprint, the shard and the catalogued token count). A
+    header that declares anything else raises `ChunkLayoutError` before the
+    payload is hashed, decompressed or allocated: a record that hashes to its
+    key proves only that someone stored it, not that it is the chunk asked
+    for, and a ~128 KiB record may declare a 4 GiB payload.
     """
     view = _byte_view(data)
     verified = False
@@ -506,6 +527,7 @@ def decode_chunk(
             )
         if any(view[header_end:offset]):
             raise ChunkFormatError("record padding is not zero")
+    _check_layout(header, expected_shape, expected_dtype)
     payload = view[offset:]
     if not verified and blake3_hex(payload, threads=hash_threads) != header.stored_blake3:
         raise ChunkIntegrityError("record payload does not match its stored_blake3")

@@ -39,6 +39,7 @@ from chunkstore.errors import (
     StoreURLError,
 )
 from chunkstore.local import check_content_address
+from chunkstore.record import blake3_hex
 from chunkstore.s3_errors import STREAM_ERRORS, checksum_mismatch, map_error
 from chunkstore.s3_helpers import (
     CONTENT_TYPE,
@@ -91,7 +92,9 @@ class S3Store(ChunkStore):
 
     A 412 (already stored, or our own earlier attempt whose answer was lost)
     is confirmed with HEAD: a size (or single-part SHA-256) mismatch raises
-    `ChunkIntegrityError` rather than overwriting, since the evidence of
+    `ChunkIntegrityError`; an object with no whole-content SHA-256 to compare
+    (uploaded in parts, or without a checksum) is read and its blake3 compared
+    with the key first. A wrong object is refused rather than overwritten, since the evidence of
     whatever wrote it is worth keeping; an object older than
     `refresh_after_s` is refreshed with `touch` (GC grace counts from it).
 
@@ -320,18 +323,18 @@ class S3Store(ChunkStore):
         etag = clean_etag(head.get("ETag"))
         remote_sha = head.get("ChecksumSHA256")
         # A single-part object's checksum is of its whole content and can be compared.
-        if (
-            sha_b64
-            and remote_sha
-            and etag
-            and "-" not in etag
-            and "-" not in remote_sha
-            and remote_sha != sha_b64
-        ):
+        comparable = bool(
+            sha_b64 and remote_sha and etag and "-" not in etag and "-" not in remote_sha
+        )
+        if comparable and remote_sha != sha_b64:
             raise ChunkIntegrityError(
                 f"{self._name}: object for blob {key} has SHA-256 {remote_sha}, expected {sha_b64}: "
                 "a wrong object sits under a content address"
             )
+        if not comparable and refresh:  # (refresh=False: the call after a touch, read already)
+            # No whole-content checksum to compare (uploaded in parts, or by a client
+            # that sent none): read it. Never a receipt for bytes that are not the key's.
+            self._verify_content(key)
         last_modified = utc(head["LastModified"])
         if refresh and time.time() - last_modified.timestamp() >= self.refresh_after_s:
             # A publish reusing existing bytes must refresh them, so that GC's
@@ -351,6 +354,17 @@ class S3Store(ChunkStore):
             etag=etag,
             version=object_version(head.get("VersionId")),
         )
+
+    def _verify_content(self, key: str) -> None:
+        try:
+            data = self.get(key)
+        except BlobNotFoundError:
+            return  # gone meanwhile: the caller's HEAD after a refresh, or its retry, sees it
+        if blake3_hex(data) != key:
+            raise ChunkIntegrityError(
+                f"{self._name}: object for blob {key} does not hash to its key: "
+                "a wrong object sits under a content address"
+            )
 
     def touch(self, key: str) -> None:
         """Set the object's LastModified to now by copying it onto itself (GC grace counts from it).

@@ -52,6 +52,12 @@ class Settings(BaseSettings):
         allow_inf_nan=False,
         description="seconds between the daemon's quarantine-invalidation checks; 0 disables",
     )
+    daemon_allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="host names the daemon answers to besides loopback and its bind address "
+        "(comma-separated in KVC_DAEMON_ALLOWED_HOSTS); requests naming another Host, or "
+        "coming from a page of another origin, are refused",
+    )
     worker_id: str | None = None
     service_url: str | None = Field(
         default=None, description="use a kvc service instead of a database"
@@ -83,7 +89,7 @@ class Settings(BaseSettings):
         "checkpoints skip the object copy and explicit ones wait, then are refused",
     )
 
-    @field_validator("stores", mode="before")
+    @field_validator("stores", "daemon_allowed_hosts", mode="before")
     @classmethod
     def _split(cls, v: Any) -> Any:
         if isinstance(v, str):

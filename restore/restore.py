@@ -19,7 +19,7 @@ from catalog.identity import token_array
 from catalog.lru import LRU
 from catalog.models import TIERS, ChunkMatch, Match, ReplicaInfo, ReplicaState, Shard, Tier
 from chunkstore import ChunkStore
-from chunkstore.errors import ChunkIntegrityError, ChunkStoreError
+from chunkstore.errors import ChunkIntegrityError, ChunkLayoutError, ChunkStoreError
 from chunkstore.record import ChunkHeader, DecodedChunk, decode_chunk
 from restore.destination import Destination, PoolDestination
 from restore.errors import RestoreError
@@ -113,6 +113,7 @@ class Restorer:
             max_workers=object_parallel, thread_name_prefix="kvc-restore-object"
         )
         self._tier_rates: dict[str, float] = {}
+        self._fingerprints: LRU[str, Fingerprint] = LRU(64)
         self._rate_lock = threading.Lock()
         # Headers of chunks verified before, by blob key (the key commits to every byte).
         self._headers: LRU[str, ChunkHeader] | None = (
@@ -189,9 +190,10 @@ class Restorer:
         shard = match.shard
         assert shard is not None
         self._check_destination(destination.layout, shard)
+        layout = self._expected_layout(fingerprint, fp_hex, destination.layout, shard)
         destination.reserve(match.matched_tokens)
         try:
-            restored = self._load(destination, match, tok, fp_hex, shard, report, cancel)
+            restored = self._load(destination, match, tok, fp_hex, shard, layout, report, cancel)
             if restored == 0:
                 destination.abort()
             else:
@@ -210,6 +212,38 @@ class Restorer:
                 f"the shard to restore is {shard}"
             )
 
+    def _expected_layout(
+        self,
+        fingerprint: Fingerprint | str,
+        fp_hex: str,
+        dest: AttentionLayout,
+        shard: Shard,
+    ) -> AttentionLayout:
+        """The layout every blob of this restore must declare: the shard's part of the
+        fingerprint's attention layout. It bounds what a blob may make us decode (a
+        planted record declaring gigabytes is refused from its header), and a
+        destination of another head dim or dtype is refused before anything is read."""
+        fp = fingerprint if isinstance(fingerprint, Fingerprint) else None
+        if fp is None:
+            with self._rate_lock:
+                fp = self._fingerprints.get(fp_hex)
+            if fp is None:
+                fp = self.catalog.get_fingerprint(fp_hex)
+                if fp is not None:
+                    with self._rate_lock:
+                        self._fingerprints.put(fp_hex, fp)  # immutable: the hex commits to it
+        if fp is None:  # not catalogued (a lookup hit says otherwise): the destination's
+            return dest
+        full = fp.layout
+        if (full.head_dim, full.dtype) != (dest.head_dim, dest.dtype) or (
+            shard.layer_hi > full.num_layers or shard.head_hi > full.num_kv_heads
+        ):
+            raise RestoreError(
+                f"the destination holds head dim {dest.head_dim} {dest.dtype}, the "
+                f"fingerprint's layout is {full} (shard {shard})"
+            )
+        return dest
+
     def _load(
         self,
         destination: Destination,
@@ -217,6 +251,7 @@ class Restorer:
         tok: np.ndarray[Any, Any],
         fp_hex: str,
         shard: Shard,
+        layout: AttentionLayout,
         report: RestoreReport,
         cancel: threading.Event | None,
     ) -> int:
@@ -239,7 +274,7 @@ class Restorer:
 
         def load(c: ChunkMatch) -> tuple[str, float, float]:
             decoded, location, seconds = self._fetch_verified(
-                c, tok, fp_hex, shard, report, hash_threads
+                c, tok, fp_hex, shard, layout, report, hash_threads
             )
             t = time.perf_counter()
             destination.write(decoded.kv, c.token_start, c.tokens_used)
@@ -318,6 +353,7 @@ class Restorer:
         tok: np.ndarray[Any, Any],
         fp_hex: str,
         shard: Shard,
+        layout: AttentionLayout,
         report: RestoreReport,
         hash_threads: int | None,
     ) -> tuple[DecodedChunk, str, float]:
@@ -328,7 +364,7 @@ class Restorer:
         for replica, store in candidates:
             t = time.perf_counter()
             try:
-                decoded = self._read_verified(store, c, tok, fp_hex, shard, hash_threads)
+                decoded = self._read_verified(store, c, tok, fp_hex, shard, layout, hash_threads)
             except FileNotFoundError as exc:
                 self._mark(c, replica, "missing", str(exc), report)
                 continue
@@ -353,6 +389,7 @@ class Restorer:
         tok: np.ndarray[Any, Any],
         fp_hex: str,
         shard: Shard,
+        layout: AttentionLayout,
         hash_threads: int | None,
     ) -> DecodedChunk:
         """Read and verify one replica; a digest mismatch is read once more before it counts.
@@ -361,6 +398,7 @@ class Restorer:
         rest fail every time. Only the second kind marks the replica corrupt.
         """
         known = self._headers.get(c.blob_key) if self._headers is not None else None
+        shape = (layout.num_layers, 2, c.token_count, layout.num_kv_heads, layout.head_dim)
 
         def read() -> DecodedChunk:
             return decode_chunk(
@@ -368,10 +406,14 @@ class Restorer:
                 expected_key=c.blob_key,
                 hash_threads=hash_threads,
                 known_header=known,
+                expected_shape=shape,
+                expected_dtype=layout.dtype,
             )
 
         try:
             decoded = read()
+        except ChunkLayoutError:
+            raise  # what the header declares does not change on a second read
         except ChunkIntegrityError:
             log.warning(
                 "blob %s from %s failed verification; reading it again", c.blob_key, store.name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import sqlite3
@@ -21,6 +22,7 @@ from catalog.database import head_revision
 from catalog.errors import SchemaVersionError
 from chunkstore.errors import StoreUnavailableError
 from kvc import __version__
+from kvc.cli import cli
 
 HEAD = head_revision()
 ROOT = Path(__file__).resolve().parents[1]
@@ -336,3 +338,21 @@ def test_sizes_are_binary_units_everywhere() -> None:
     assert {n: human_bytes(n) for n in cases} == cases
     assert human_bytes(3 << 40) == "3.0 TiB" and human_bytes(5 << 50) == "5120.0 TiB"
     assert human_rate(20e6) == "19.1 MiB/s"
+
+
+def test_serve_hash_token_refuses_a_short_token_without_echoing_it() -> None:
+    """An unsalted sha256 of a short token can be searched offline from the tokens file:
+    a token under 32 characters is refused (exit 2, nothing on stdout, the token not
+    echoed); 32 characters hash as before."""
+    short = "s3cret-but-short-31-characters!"
+    assert len(short) == 31
+    out = CliRunner().invoke(cli, ["serve-hash-token"], input=short + "\n")
+    assert out.exit_code == 2
+    assert out.stdout == ""
+    assert "at least 32 characters" in out.stderr and "31 characters" in out.stderr
+    assert short not in out.output
+    long_enough = short + "x"
+    out = CliRunner().invoke(cli, ["serve-hash-token"], input=long_enough + "\n")
+    assert out.exit_code == 0, out.output
+    assert out.stdout.strip() == hashlib.sha256(long_enough.encode()).hexdigest()
+    assert "32 characters" in CliRunner().invoke(cli, ["serve-hash-token", "--help"]).output

@@ -79,7 +79,7 @@ def worker(cat: Catalog, store: ChunkStore) -> Iterator[Start]:
         )
         started.append(d)
         d.reconcile()
-        return d, TestClient(create_daemon_app(d))
+        return d, TestClient(create_daemon_app(d), base_url="http://127.0.0.1")
 
     yield start
     for d in started:
@@ -496,7 +496,7 @@ def test_cli_sets_the_interval_from_flag_environment_and_default(
 
     def serve(app: Any, **kwargs: Any) -> None:
         # Instead of serving: ask the app what its daemon runs with.
-        stats = TestClient(app).get("/v1/stats").json()
+        stats = TestClient(app, base_url="http://127.0.0.1:8708").get("/v1/stats").json()
         seen.append((stats["invalidation_interval"], stats["invalidation_timer"]))
 
     monkeypatch.setattr(uvicorn, "run", serve)
@@ -537,7 +537,7 @@ def planned(cat: Catalog, store: ChunkStore, worker_id: str, rate: float) -> Wor
         invalidation_interval=0,
         prefill_tokens_per_s=rate,
     )
-    client = TestClient(create_daemon_app(d))
+    client = TestClient(create_daemon_app(d), base_url="http://127.0.0.1")
     r = client.post("/v1/configure", json={"fingerprint": "reference", "num_pages": 64})
     assert r.status_code == 200, r.text
     return d, client
@@ -572,9 +572,7 @@ def test_the_planner_leaves_a_prompt_to_recompute_when_prefill_is_faster(
         b.close()
 
 
-def test_prefills_teach_the_planner_this_engines_rate(
-    cat: Catalog, store: ChunkStore
-) -> None:
+def test_prefills_teach_the_planner_this_engines_rate(cat: Catalog, store: ChunkStore) -> None:
     # Configured absurdly fast; the prefills the daemon runs pull the rate toward what
     # the engine really does, so a later restore is weighed against real numbers.
     d, client = planned(cat, store, "P", rate=1e15)
@@ -720,7 +718,7 @@ def test_a_daemon_on_the_service_checkpoints_and_restores(
     seen: list[Any] = []
 
     def serve(app: Any, **kwargs: Any) -> None:
-        client = TestClient(app)
+        client = TestClient(app, base_url="http://127.0.0.1:8708")
         r = client.post("/v1/configure", json={"fingerprint": "reference", "num_pages": 64})
         assert r.status_code == 200, r.text
         cp = prefill_and_checkpoint(client, PROMPT)
@@ -736,3 +734,89 @@ def test_a_daemon_on_the_service_checkpoints_and_restores(
     assert cp["new_chunks"] == 4 and restored["decision"]["action"] == "fork"
     # The service's database holds what the daemon published.
     assert len(cat.lookup("ns", MODEL.fingerprint, PROMPT).chunks) == 4
+
+
+# -- only its own clients: no cross-site posts, no DNS rebinding ----------------------------
+
+MUTATING = {
+    "/v1/configure": {"fingerprint": "reference", "num_pages": 64},
+    "/v1/prefill": {"tokens": PROMPT[:CHUNK]},
+    "/v1/checkpoint": {"route": 1, "tokens": PROMPT[:CHUNK], "name": "evil"},
+    "/v1/restore": {"tokens": PROMPT},
+    "/v1/release": {"route": 1},
+    "/v1/clear": None,
+    "/v1/refresh": None,
+}
+
+
+def test_a_web_page_cannot_drive_the_daemon(worker: Start) -> None:
+    """Over real HTTP: a cross-site post (any Origin but the daemon's own, `null` included)
+    on every mutating route, a form-style body (text/plain or urlencoded, which a browser
+    sends cross-site without a preflight), and a DNS-rebinding Host are refused (403 / 415,
+    a JSON error naming the cause) and change nothing; the daemon's own clients (no
+    Origin, or its own) still work."""
+    import httpx
+
+    from tests.services import serve_in_thread
+
+    d, _ = worker("guarded")
+    with serve_in_thread(create_daemon_app(d)) as url, httpx.Client(base_url=url) as http:
+        r = http.post("/v1/configure", json=MUTATING["/v1/configure"])
+        assert r.status_code == 200, r.text
+        r = http.post("/v1/prefill", json={"tokens": PROMPT[:CHUNK]})
+        assert r.status_code == 200, r.text
+        before = http.get("/v1/stats").json()
+        assert before["routes"] == {"1": CHUNK}
+
+        for origin in (
+            "http://evil.example",
+            "null",
+            f"https://{url[7:]}",
+            "http://127.0.0.1.evil.example",
+        ):
+            for path, body in MUTATING.items():
+                r = http.post(path, json=body, headers={"Origin": origin})
+                assert r.status_code == 403, (origin, path, r.text)
+                assert "Origin" in r.json()["error"]
+        for ctype, content in (
+            ("text/plain", '{"tokens": [1, 2, 3]}'),
+            ("application/x-www-form-urlencoded", "a=1"),
+        ):
+            for path in ("/v1/prefill", "/v1/clear"):
+                r = http.post(path, content=content, headers={"Content-Type": ctype})
+                assert r.status_code == 415, (ctype, path, r.text)
+                assert "application/json" in r.json()["error"]
+        port = url.rsplit(":", 1)[1]
+        for host in (f"evil.example:{port}", "evil.example", f"127.0.0.1.nip.io:{port}"):
+            for method, path in (("GET", "/v1/stats"), ("POST", "/v1/clear")):
+                r = http.request(method, path, headers={"Host": host})
+                assert r.status_code == 403, (host, path, r.text)
+                assert "Host" in r.json()["error"]
+        assert http.get("/v1/stats").json() == before  # configured, route 1 kept: nothing changed
+
+        # Its own clients: curl-style (no Origin), its own origin, a bodyless POST.
+        r = http.post("/v1/prefill", json={"tokens": PROMPT[:CHUNK]}, headers={"Origin": url})
+        assert r.status_code == 200, r.text
+        for host in (f"localhost:{port}", f"127.0.0.1:{port}"):
+            assert http.get("/v1/stats", headers={"Host": host}).status_code == 200
+        assert http.post("/v1/clear").status_code == 200
+        assert http.get("/v1/stats").json()["routes"] == {}
+
+
+def test_the_daemon_answers_only_its_port_and_the_names_it_is_given(worker: Start) -> None:
+    d, _ = worker("named")
+    app = create_daemon_app(d, host="127.0.0.1", port=8708, allowed_hosts=["kvc-gpu0.internal"])
+    ok = TestClient(app, base_url="http://127.0.0.1:8708")
+    assert ok.get("/v1/stats").status_code == 200
+    assert (
+        TestClient(app, base_url="http://kvc-gpu0.internal:8708").get("/v1/stats").status_code
+        == 200
+    )
+    assert TestClient(app, base_url="http://127.0.0.1:9999").get("/v1/stats").status_code == 403
+    assert (
+        TestClient(app, base_url="http://other.internal:8708").get("/v1/stats").status_code == 403
+    )
+    r = ok.get("/v1/stats", headers={"Origin": "http://kvc-gpu0.internal:8708"})
+    assert r.status_code == 200
+    r = ok.post("/v1/clear", headers={"Origin": "http://127.0.0.1:9999"})  # another local app
+    assert r.status_code == 403 and "Origin" in r.json()["error"]

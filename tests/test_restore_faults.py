@@ -9,21 +9,35 @@ catalogued.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
+import struct
 import subprocess
 import sys
 import threading
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import blake3
 import numpy as np
 import pytest
+import zstandard
 
 from catalog import Catalog
+from catalog.models import ChunkRecord
 from chunkstore import ChunkStore, open_store
 from chunkstore.errors import StoreUnavailableError
+from chunkstore.record import (
+    FORMAT_VERSION,
+    MAGIC,
+    PAYLOAD_ALIGNMENT,
+    EncodedChunk,
+    read_header,
+)
 from restore.checkpoint import Checkpointer
 from restore.engines.reference import ReferenceModel
 from restore.pool import PagePool
@@ -214,3 +228,95 @@ def test_damage_after_a_restore_kept_the_headers_is_still_found(setup: Any, mode
     assert res.restored_tokens == 99 and res.report.replicas_used == {a.name: 3, b.name: 1}
     assert sorted(states(cat, keys[2])) == ["corrupt", "durable"]
     assert_exact(res, pool)
+
+
+def rle_zstd_frame(size: int) -> bytes:
+    """A valid zstd frame of `size` zero bytes made of RLE blocks: 4 bytes per 128 KiB."""
+    frame = bytearray(b"\x28\xb5\x2f\xfd\xe0" + size.to_bytes(8, "little"))  # single segment
+    left = size
+    while left:
+        n = min(left, 1 << 17)
+        left -= n
+        frame += ((left == 0) | (1 << 1) | (n << 3)).to_bytes(3, "little") + b"\x00"
+    return bytes(frame)
+
+
+def forged_record(real: bytes, head_dim: int) -> EncodedChunk:
+    """`real`'s header with a head dim of `head_dim`, over a zstd bomb that decodes to it."""
+    h = read_header(real)
+    shape = (*h.shape[:4], head_dim)
+    payload = rle_zstd_frame(math.prod(shape) * h.numpy_dtype.itemsize)
+    header = dataclasses.replace(
+        h,
+        shape=shape,
+        codec="zstd",
+        payload_size=len(payload),
+        stored_blake3=blake3.blake3(payload).hexdigest(),
+        payload_blake3="0" * 64,  # whatever: the decoder would allocate before checking it
+    )
+    hb = header.to_json()
+    fixed = struct.pack("<4sHHI", MAGIC, FORMAT_VERSION, 0, len(hb))
+    end = len(fixed) + 32 + len(hb)
+    data = fixed + blake3.blake3(fixed + hb).digest() + hb + bytes(-end % PAYLOAD_ALIGNMENT)
+    data += payload
+    return EncodedChunk(key=blake3.blake3(data).hexdigest(), data=data, header=header)
+
+
+def test_rle_zstd_frame_is_a_real_frame() -> None:
+    """The bomb below is a frame zstd decodes, so only the header check stands in its way."""
+    frame = rle_zstd_frame(3 << 17)
+    assert len(frame) == 13 + 3 * 4
+    assert zstandard.ZstdDecompressor().decompress(frame) == bytes(3 << 17)
+
+
+def test_a_planted_blob_declaring_a_huge_payload_is_refused_from_its_header(
+    setup: Any, tmp_path: Path
+) -> None:
+    """A tenant plants a ~8 KiB record under its own key whose header declares a 256 MiB
+    payload (a zstd frame of RLE blocks, the 32768x a frame can honestly expand) and
+    catalogues it as chunk 1. The restore refuses it from the header, against the
+    fingerprint's layout, before decoding: no 256 MiB allocation, the replica is marked
+    corrupt and the caller recomputes from chunk 1."""
+    cat, a, _, keys = setup
+    real = bytes(a.inner.get(keys[1]))
+    bomb = forged_record(real, head_dim=1 << 18)  # 4 x 2 x 32 x 2 x 262144 fp16 = 256 MiB
+    assert len(bomb.data) < 16 << 10 and bomb.header.raw_size == 256 << 20
+    planted = Catalog.open(f"sqlite:///{tmp_path / 'planted.db'}", upgrade=True)
+    planted.ensure_namespace("default", chunk_size=32)
+    planted.register_fingerprint(MODEL.fingerprint)
+    match = cat.lookup("default", MODEL.fingerprint, TOKENS)
+    records = []
+    for c in match.chunks:
+        if c.blob_key == keys[1]:
+            key, data = bomb.key, bomb.data
+        else:
+            key, data = c.blob_key, bytes(a.inner.get(c.blob_key))
+        records.append(
+            ChunkRecord(
+                namespace="default",
+                fingerprint=MODEL.fingerprint,
+                prefix_hash=c.prefix_hash,
+                parent_hash=c.parent_hash,
+                token_start=c.token_start,
+                tokens=TOKENS[c.token_start : c.token_start + c.token_count],
+                shard=match.shard,
+                blob_key=key,
+                codec=read_header(data).codec,
+                stored_bytes=len(data),
+                kv_bytes=c.kv_bytes,
+                receipts=[to_replica_receipt(a.inner.put(key, data), "local")],
+            )
+        )
+    planted.record_chunks(records)
+    tracemalloc.start()
+    try:
+        res, pool = restore(planted, [a])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 << 20, f"the restore allocated {peak} bytes for a planted record"
+    assert res.restored_tokens == 32 and res.recompute_from == 32
+    assert_exact(res, pool)
+    assert states(planted, bomb.key) == ["corrupt"]
+    assert any("declares shape" in f for f in res.report.failures), res.report.failures
+    planted.close()

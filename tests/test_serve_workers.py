@@ -68,9 +68,9 @@ class Served:
         return RemoteCatalog(self.base, TOKEN, timeout=30)
 
 
-@pytest.fixture
-def served(tmp_path: Path) -> Iterator[Served]:
-    url = f"sqlite:///{tmp_path / 'catalog.db'}"
+@contextlib.contextmanager
+def serving(tmp_path: Path, url: str, extra_env: dict[str, str] | None = None) -> Iterator[Served]:
+    """`kvc serve --workers 2` on the catalog at `url` (the schema is made here)."""
     with Catalog.open(url, upgrade=True) as cat:
         cat.ensure_namespace("default", CS)
     tokens = tmp_path / "tokens.json"
@@ -84,6 +84,7 @@ def served(tmp_path: Path) -> Iterator[Served]:
         "KVC_MAX_PROMPT_TOKENS": str(4 * len(PROMPT)),
         "KVC_CONFIG": str(tmp_path / "absent.toml"),
     }
+    env |= extra_env or {}
     serve = ["serve", "--catalog", url, "--tokens-file", str(tokens), "--port", str(port)]
     proc = subprocess.Popen(
         [sys.executable, "-c", "from kvc.cli import main; main()", *serve, "--threads", "2"],
@@ -104,6 +105,39 @@ def served(tmp_path: Path) -> Iterator[Served]:
         proc.wait(10)
         assert proc.stderr is not None
         proc.stderr.close()
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Served]:
+    with serving(tmp_path, f"sqlite:///{tmp_path / 'catalog.db'}") as s:
+        yield s
+
+
+def test_the_catalog_password_is_in_no_worker_environment(
+    tmp_path: Path, postgres_url: str
+) -> None:
+    """The catalog URL carries a password (PostgreSQL; the test server trusts any). No
+    worker process's environment holds it, nor the service token `kvc serve` got in its own
+    environment; the workers read their config from a file only this user can read, and
+    the service works against that catalog."""
+    import sqlalchemy as sa
+
+    password = "pw-" + hashlib.sha256(tmp_path.name.encode()).hexdigest()[:20]
+    url = sa.make_url(postgres_url).set(password=password).render_as_string(hide_password=False)
+    with serving(tmp_path, url, {"KVC_SERVICE_TOKEN": "svc-" + password}) as s:
+        workers = s.workers()
+        assert len(workers) == 2
+        for pid in workers:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+            assert password.encode() not in environ
+            config = dict(
+                v.split(b"=", 1) for v in environ.split(b"\0") if v.startswith(b"KVC_SERVE_WORKER")
+            )[b"KVC_SERVE_WORKER_CONFIG"]
+            assert (os.stat(config).st_mode & 0o777) == 0o600
+            assert (os.stat(os.path.dirname(config)).st_mode & 0o777) == 0o700
+        with s.remote() as rc:
+            assert rc.record_chunks(chain_records("default", PROMPT)).recorded == 3
+            assert rc.lookup("default", FP, [*PROMPT, 7]).matched_tokens == len(PROMPT)
 
 
 def test_each_worker_sees_what_another_published_and_the_metrics_count_both(

@@ -50,6 +50,9 @@ class Backend(abc.ABC):
     has_etag: bool
     # Options that push blobs of a few MiB onto the multipart / ranged-get path.
     large_options: dict[str, object] = {}  # noqa: RUF012 - read-only class default
+    # A put over wrong bytes of the right size: the local store rewrites them (atomically,
+    # with the right bytes in hand); S3 cannot replace an object conditionally and refuses.
+    repairs_on_put = False
 
     def open(self, **options: object) -> ChunkStore:
         return open_store(self.url, **options)  # type: ignore[arg-type]  # no `session` among them
@@ -72,6 +75,7 @@ class Backend(abc.ABC):
 
 
 class LocalBackend(Backend):
+    repairs_on_put = True
     has_etag = False
 
     def __init__(self, root: Path) -> None:
@@ -396,6 +400,29 @@ class StoreConformance:
         backend.overwrite(chunk.key, bytes(flipped))
         with pytest.raises(ChunkIntegrityError):
             decode_chunk(store.get(chunk.key), expected_key=chunk.key)
+
+    @pytest.mark.parametrize("size", [4096, 12 * MiB + 123], ids=["single", "parts"])
+    def test_a_put_over_damaged_bytes_never_answers_with_a_receipt_for_them(
+        self, backend: Backend, size: int
+    ) -> None:
+        """The replica's bytes rotted (same size, one bit): putting the blob again must
+        not vouch for them (a corrupt replica would be catalogued durable again). The
+        local store rewrites them; S3 refuses with `ChunkIntegrityError`."""
+        key, data = make_blob(size)
+        flipped = bytearray(data)
+        flipped[size // 2] ^= 0x40
+        with backend.open(**backend.large_options) as store:
+            store.put(key, data)
+            backend.overwrite(key, bytes(flipped))
+            if backend.repairs_on_put:
+                receipt = store.put(key, data)
+                assert receipt.size == size
+                assert bytes(store.get(key)) == data
+                assert len(backend.raw_names()) == 1  # replaced in place, no temp file left
+            else:
+                with pytest.raises(ChunkIntegrityError, match="does not hash to its key"):
+                    store.put(key, data)
+                assert bytes(store.get(key)) == bytes(flipped)  # the evidence is kept
 
     def test_large_blob_round_trips_in_parts(self, backend: Backend) -> None:
         key, data = make_blob(12 * MiB + 123)

@@ -34,6 +34,15 @@ from kvc.settings import Settings
     help="Port to bind (env KVC_DAEMON_PORT, default 8708).",
 )
 @click.option(
+    "--allowed-host",
+    "allowed_hosts",
+    multiple=True,
+    metavar="NAME",
+    help="A host name the daemon answers to besides loopback and --host (repeatable; env "
+    "KVC_DAEMON_ALLOWED_HOSTS, comma-separated). Requests naming any other Host, or sent "
+    "by a web page of another origin, are refused with 403.",
+)
+@click.option(
     "--worker-id",
     default=None,
     help="Name of this worker in the catalog's resident replicas (env KVC_WORKER_ID, "
@@ -54,6 +63,7 @@ def daemon(
     as_json: bool,
     host: str,
     port: int | None,
+    allowed_hosts: tuple[str, ...],
     worker_id: str | None,
     invalidation_interval: float | None,
 ) -> None:
@@ -115,7 +125,13 @@ def daemon(
                         else "invalidations on /v1/refresh only)"
                     ),
                 )
-                uvicorn.run(create_daemon_app(d), host=host, port=bind_port, log_level="info")
+                app = create_daemon_app(
+                    d,
+                    host=host,
+                    port=bind_port,
+                    allowed_hosts=list(allowed_hosts) or settings.daemon_allowed_hosts,
+                )
+                uvicorn.run(app, host=host, port=bind_port, log_level="info")
     finally:
         for s in stores:
             s.close()

@@ -14,6 +14,10 @@ from catalog.identity import is_hex64
 from kvc.commands.common import EXIT_USAGE, fail, open_catalog, settings_options, setup_logging
 from kvc.settings import Settings, default_serve_workers
 
+# Settings read from the environment that may hold a secret: `kvc serve` has read them
+# (into the worker config file), so its worker processes do not inherit them.
+SECRET_ENV = ("KVC_CATALOG_URL", "KVC_SERVICE_TOKEN")
+
 
 def load_tokens(path: Path) -> dict[str, str]:
     """The tokens file: a JSON object mapping namespace -> sha256 hex of its bearer token."""
@@ -140,11 +144,14 @@ def _serve_processes(
     that lives as long as the service."""
     import uvicorn
 
-    from kvc.service.worker import CONFIG_ENV, WorkerConfig
+    from kvc.service.worker import CONFIG_ENV, WorkerConfig, write_config
 
     with open_catalog(settings, journal=False) as cat:
         url = cat.url
-    with tempfile.TemporaryDirectory(prefix="kvc-serve-metrics-") as metrics_dir:
+    with (
+        tempfile.TemporaryDirectory(prefix="kvc-serve-metrics-") as metrics_dir,
+        tempfile.TemporaryDirectory(prefix="kvc-serve-config-") as private,  # mode 0700
+    ):
         config = WorkerConfig(
             catalog_url=settings.resolved_catalog_url,
             journal_stores=settings.resolved_stores if settings.stores else [],
@@ -154,9 +161,13 @@ def _serve_processes(
             threads=threads,
             metrics_dir=metrics_dir,
         )
-        # The workers are new interpreters (spawned): the environment is how they get this,
-        # and prometheus_client reads its variable when it is first imported there.
-        os.environ[CONFIG_ENV] = config.model_dump_json()
+        # The workers are new interpreters (spawned) and inherit this environment: they get
+        # only the path of their config (it holds the catalog URL with its password), and
+        # the variables that carried secrets to this process are not passed on.
+        # prometheus_client reads its variable when it is first imported there.
+        os.environ[CONFIG_ENV] = write_config(config, private)
+        for name in SECRET_ENV:
+            os.environ.pop(name, None)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
         click.echo(
             f"kvc: serving {url} for {len(tokens)} namespace(s) on http://{host}:{port}"
@@ -173,14 +184,38 @@ def _serve_processes(
         )
 
 
-@click.command("serve-hash-token", epilog="Example: kvc serve-hash-token < token.txt")
+# The tokens file holds a plain sha256 of each token (no salt, no stretching, so that a
+# request is checked in microseconds): the token itself must be unguessable. 32 characters
+# is 128 bits as hex (`openssl rand -hex 16`), out of reach of an offline search of the hash.
+MIN_TOKEN_CHARS = 32
+
+
+@click.command(
+    "serve-hash-token",
+    epilog="""Example:
+
+\b
+  openssl rand -hex 32 > token.txt   # 64 random hex characters
+  kvc serve-hash-token < token.txt""",
+)
 def serve_hash_token() -> None:
-    """Print the sha256 hex of the token read from stdin (one line), for a tokens file."""
+    """Print the sha256 hex of the token read from stdin (one line), for a tokens file.
+
+    The token must be at least 32 characters (e.g. `openssl rand -hex 32`): the tokens
+    file keeps an unsalted sha256 of it, so a short token could be found from the file
+    by trying candidates. A shorter one exits 2 and prints nothing."""
     from kvc.service import hash_token
 
     token = sys.stdin.readline().strip()
     if not token:
         fail("no token on stdin", EXIT_USAGE)
+    if len(token) < MIN_TOKEN_CHARS:
+        # Never echo the token, not even in part.
+        fail(
+            f"the token is {len(token)} characters; at least {MIN_TOKEN_CHARS} characters are required "
+            "(make one with `openssl rand -hex 32`)",
+            EXIT_USAGE,
+        )
     click.echo(hash_token(token))
 
 

@@ -11,7 +11,9 @@ from catalog import Catalog
 from kvc.service.app import create_app
 
 CONFIG_ENV = "KVC_SERVE_WORKER_CONFIG"
-"""The variable `kvc serve` passes a `WorkerConfig` in (JSON) to the processes it starts."""
+"""The variable `kvc serve` passes the path of a `WorkerConfig` file (JSON) in to the
+processes it starts. Only the path: the config holds the catalog URL, whose password must
+not sit in any process's environment (/proc/PID/environ, crash reports, child processes)."""
 
 
 class WorkerConfig(BaseModel):
@@ -27,6 +29,16 @@ class WorkerConfig(BaseModel):
     metrics_dir: str
 
 
+def write_config(config: WorkerConfig, directory: str) -> str:
+    """Write `config` to a new file readable by this user only in `directory` (a private
+    directory that lives as long as the service); return its path."""
+    path = os.path.join(directory, "worker-config.json")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(config.model_dump_json())
+    return path
+
+
 def pool_size(threads: int) -> int:
     """Database connections for a process of `threads` request threads: one each, and one
     for the access-statistics flusher and one for a health check."""
@@ -36,7 +48,8 @@ def pool_size(threads: int) -> int:
 def app_from_environment() -> FastAPI:
     """The app of one worker (uvicorn's app factory): its own catalog connections and journal,
     closed when uvicorn shuts the worker down; metrics shared through `metrics_dir`."""
-    config = WorkerConfig.model_validate_json(os.environ[CONFIG_ENV])
+    with open(os.environ[CONFIG_ENV], encoding="utf-8") as f:
+        config = WorkerConfig.model_validate_json(f.read())
     catalog = Catalog.open(config.catalog_url, pool_size=pool_size(config.threads))
     journal = None
     if config.journal_stores:
