@@ -558,3 +558,53 @@ def test_every_route_with_a_body_declares_400_and_413(client: TestClient) -> Non
     assert len(with_body) > 10
     for path, method, responses in with_body:
         assert {"400", "413", "422"} <= set(responses), (method, path)
+
+
+def test_a_catalog_that_is_down_answers_503_without_its_url_or_the_drivers_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    home = tmp_path / "catalog-home"
+    home.mkdir()
+    down = Catalog.open(f"sqlite:///{home / 'catalog.db'}", upgrade=True)
+    down.ensure_namespace("a", CS)
+    app = create_app(down, {"a": hash_token(TOKEN_A)}, max_prompt_tokens=MAX_PROMPT)
+    try:
+        with TestClient(app, raise_server_exceptions=False) as client:
+            # The database's directory goes away: every new connection fails to open it.
+            home.rename(tmp_path / "gone")
+            down.db.engine.dispose()
+            with caplog.at_level(logging.WARNING, logger="kvc.service.app"):
+                r = client.post("/v1/namespaces/a/lookup", json=lookup_body(), headers=auth())
+                r_stats = client.get("/v1/namespaces/a/stats", headers=auth())
+    finally:
+        down.close()
+    for answer in (r, r_stats):
+        assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
+        assert answer.json() == {
+            "detail": "catalog unavailable",
+            "error": "CatalogUnavailableError",
+        }
+        assert "catalog-home" not in answer.text and "sqlite" not in answer.text
+        assert "unable to open" not in answer.text
+    # The operator still learns which database and what the driver said.
+    logged = caplog.text
+    assert "catalog-home" in logged and "unable to open database file" in logged
+
+
+def test_an_outcome_unknown_answers_504_without_the_catalogs_url(
+    client: TestClient,
+    cat: Catalog,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from catalog.errors import OutcomeUnknownError
+
+    def lost(*a: object, **k: object) -> None:
+        raise OutcomeUnknownError(f"catalog {cat.url}: the connection was lost while committing")
+
+    monkeypatch.setattr(cat, "record_chunks", lost)
+    with caplog.at_level(logging.WARNING, logger="kvc.service.app"):
+        r = client.post("/v1/namespaces/a/chunks", json=publish_body(), headers=auth())
+    assert r.status_code == 504 and r.json()["error"] == "OutcomeUnknownError"
+    assert cat.url not in r.text and "may or may not have landed" in r.json()["detail"]
+    assert cat.url in caplog.text
