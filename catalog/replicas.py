@@ -10,6 +10,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from catalog.clock import utcnow
+from catalog.database import batches
 from catalog.errors import (
     CatalogInputError,
     NotFoundError,
@@ -287,16 +288,18 @@ class Replicas:
         fp = fingerprint_hex(fingerprint)
         if not prefix_hashes:
             return {}
+        rows: list[Any] = []
         with self.db.read() as conn:
-            rows = conn.execute(
-                sa.select(Chunk.prefix_hash, Chunk.blob_key).where(
-                    Chunk.state == "ready",  # one GC is purging must be put again
-                    Chunk.fingerprint == fp,
-                    Chunk.prefix_hash.in_(list(prefix_hashes)),
-                    Chunk.layer_lo == shard.layer_lo,
-                    Chunk.layer_hi == shard.layer_hi,
-                    Chunk.head_lo == shard.head_lo,
-                    Chunk.head_hi == shard.head_hi,
-                )
-            ).all()
+            for batch in batches(list(prefix_hashes)):  # one bind variable per hash
+                rows += conn.execute(
+                    sa.select(Chunk.prefix_hash, Chunk.blob_key).where(
+                        Chunk.state == "ready",  # one GC is purging must be put again
+                        Chunk.fingerprint == fp,
+                        Chunk.prefix_hash.in_(batch),
+                        Chunk.layer_lo == shard.layer_lo,
+                        Chunk.layer_hi == shard.layer_hi,
+                        Chunk.head_lo == shard.head_lo,
+                        Chunk.head_hi == shard.head_hi,
+                    )
+                ).all()
         return {r.prefix_hash: r.blob_key for r in rows}

@@ -294,6 +294,19 @@ def test_namespace_endpoint_creates_and_reports_chunk_size(client: TestClient) -
     assert r.json() == {"chunk_size": 8}  # fixed at creation
 
 
+@pytest.mark.parametrize("chunk_size", [1, 3, 65537])
+def test_a_chunk_size_out_of_bounds_is_422_naming_the_bound(
+    client: TestClient, chunk_size: int
+) -> None:
+    url = "/v1/namespaces/empty/namespace"
+    r = client.post(url, json={"chunk_size": chunk_size}, headers=auth("e"))
+    assert r.status_code == 422
+    bound = "4" if chunk_size < 4 else "65536"
+    assert [e["loc"] for e in r.json()["detail"]] == [["body", "chunk_size"]]
+    assert bound in r.json()["detail"][0]["msg"]
+    assert client.get(url, headers=auth("e")).json() == {"chunk_size": None}
+
+
 def test_openapi_is_served(client: TestClient) -> None:
     doc = client.get("/openapi.json").json()
     assert "/v1/namespaces/{namespace}/lookup" in doc["paths"]
