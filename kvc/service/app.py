@@ -32,7 +32,7 @@ from catalog.wire import NOT_FOUND, Health
 from kvc.service import routes_catalog, routes_refs, routes_replicas
 from kvc.service.auth import Authenticate
 from kvc.service.deps import PromptLimit
-from kvc.service.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from kvc.service.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, body_caps
 from kvc.service.metrics import CONTENT_TYPE_LATEST, Metrics
 
 log = logging.getLogger(__name__)
@@ -233,7 +233,11 @@ def create_app(
     app.state.prompt_limit = PromptLimit(max_prompt_tokens)
     app.state.token_hashes = hashes
     # Added last, so outermost: `Guard` also covers `Authenticate`.
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=max_body_bytes,
+        per_route=body_caps(max_prompt_tokens, max_body_bytes),
+    )
     app.add_middleware(Authenticate, hashes=hashes)
     app.add_middleware(Guard, metrics=metrics)
     _add_error_handlers(app, metrics)
