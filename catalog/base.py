@@ -33,6 +33,11 @@ from catalog.models import (
 )
 
 DEFAULT_CHUNK_SIZE = 256
+# A namespace's chunk size is fixed at creation within these bounds. Below 4 tokens a
+# chunk costs more catalog rows and hashing than the KV it names (a prompt of 1M tokens
+# is already 262144 chunks of 4); above 65536 one blob would be gigabytes.
+MIN_CHUNK_SIZE = 4
+MAX_CHUNK_SIZE = 65536
 
 
 @runtime_checkable

@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Engine, make_url
@@ -16,6 +17,8 @@ from catalog.errors import CatalogError, SchemaVersionError
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 SQLITE_BUSY_TIMEOUT_S = 30  # how long a SQLite writer waits for the write lock
 # Each SQLite connection's own page cache. SQLite's default (2 MB) does not hold the
@@ -24,6 +27,22 @@ SQLITE_BUSY_TIMEOUT_S = 30  # how long a SQLite writer waits for the write lock
 # from the OS: 16 MiB made the 1M lookup 1.36x the 10k one instead of 1.75x
 # (docs/performance.md). Filled only as pages are read; up to 3 x pool_size connections.
 SQLITE_CACHE_KIB = 16 * 1024
+
+
+# Bind variables of one statement that lists hashes or keys: SQLite refuses more than
+# SQLITE_MAX_VARIABLE_NUMBER (32766 in a default build since 3.32; PostgreSQL 65535), so
+# longer lists are cut into batches of this many. A lookup of 128k tokens in chunks of
+# 256 (512 hashes) is still one statement.
+BIND_BATCH = 16384
+
+
+def batches(items: Sequence[T], size: int = BIND_BATCH) -> Iterator[Sequence[T]]:
+    """`items` in consecutive slices of at most `size` (one slice, itself, when it fits)."""
+    if len(items) <= size:
+        yield items
+        return
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
 
 
 def safe_url(url: str | sa.URL) -> str:

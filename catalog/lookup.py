@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import sqlalchemy as sa
 
+from catalog.database import batches
 from catalog.errors import (
     CatalogInputError,
 )
@@ -137,18 +138,22 @@ class Lookups:
             return {}
         ident = (fp_hex, shard.layer_lo, shard.layer_hi, shard.head_lo, shard.head_hi, ns_id)
         params: tuple[Any, ...]
-        if conn.dialect.name == "sqlite":
-            sql = _hot_sql_sqlite(len(hashes))
-            params = (*hashes, *ident)
-        else:
-            sql = _HOT_SQL_PG
-            params = (hashes, *ident)
-        # Raw driver rows: a Row per chunk x replica costs more than the row itself.
-        result = conn.exec_driver_sql(sql, params)
-        try:
-            rows = result.cursor.fetchall()
-        finally:
-            result.close()
+        rows: list[Any] = []
+        # SQLite binds one variable per hash: a prompt of more than BIND_BATCH chunks
+        # takes one statement per batch (PostgreSQL binds the array as one).
+        for batch in batches(hashes) if conn.dialect.name == "sqlite" else (hashes,):
+            if conn.dialect.name == "sqlite":
+                sql = _hot_sql_sqlite(len(batch))
+                params = (*batch, *ident)
+            else:
+                sql = _HOT_SQL_PG
+                params = (batch, *ident)
+            # Raw driver rows: a Row per chunk x replica costs more than the row itself.
+            result = conn.exec_driver_sql(sql, params)
+            try:
+                rows += result.cursor.fetchall()
+            finally:
+                result.close()
         out: dict[bytes, _ChunkRow] = {}
         get = out.get
         for r in rows:

@@ -12,6 +12,7 @@ from sqlalchemy.exc import IntegrityError
 
 from catalog.changes import Change, PinRemoved, PinSet, RefDeleted, RefSet
 from catalog.clock import utcnow
+from catalog.database import batches
 from catalog.errors import (
     CatalogInputError,
     NotFoundError,
@@ -399,18 +400,21 @@ class Names:
         """The live demand (priority summed over workers) of each of these prefixes that has any."""
         if not prefix_hashes:
             return {}
+        found: dict[bytes, float] = {}
         with self.db.read() as conn:
-            rows = conn.execute(
-                sa.select(Demand.prefix_hash, sa.func.sum(Demand.priority))
-                .join(Namespace, Namespace.id == Demand.namespace_id)
-                .where(
-                    Namespace.name == namespace,
-                    Demand.prefix_hash.in_(sorted(set(prefix_hashes))),
-                    Demand.expires_at > utcnow(),
+            for batch in batches(sorted(set(prefix_hashes))):  # one bind variable per hash
+                rows = conn.execute(
+                    sa.select(Demand.prefix_hash, sa.func.sum(Demand.priority))
+                    .join(Namespace, Namespace.id == Demand.namespace_id)
+                    .where(
+                        Namespace.name == namespace,
+                        Demand.prefix_hash.in_(batch),
+                        Demand.expires_at > utcnow(),
+                    )
+                    .group_by(Demand.prefix_hash)
                 )
-                .group_by(Demand.prefix_hash)
-            )
-            return {bytes(h): float(p) for h, p in rows}
+                found.update((bytes(h), float(p)) for h, p in rows)
+        return found
 
 
 def _check_pin_name(name: str) -> None:

@@ -7,7 +7,8 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from catalog.base import DEFAULT_CHUNK_SIZE
+from catalog.base import DEFAULT_CHUNK_SIZE, MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
+from catalog.errors import CatalogInputError
 from catalog.identity import (
     Fingerprint,
     fingerprint_hex,
@@ -27,13 +28,30 @@ from catalog.transactions import Database
 log = logging.getLogger(__name__)
 
 
+def check_chunk_size(chunk_size: object) -> None:
+    """Refuse a chunk size outside MIN_CHUNK_SIZE..MAX_CHUNK_SIZE, naming the bounds."""
+    if (
+        isinstance(chunk_size, bool)
+        or not isinstance(chunk_size, int)
+        or not MIN_CHUNK_SIZE <= chunk_size <= MAX_CHUNK_SIZE
+    ):
+        raise CatalogInputError(
+            f"chunk_size must be an int in {MIN_CHUNK_SIZE}..{MAX_CHUNK_SIZE}, got {chunk_size!r}"
+        )
+
+
 class Namespaces:
     """Namespaces and fingerprints (created on first use, cached), statistics and history."""
 
     db: Database
 
     def ensure_namespace(self, name: str, chunk_size: int = DEFAULT_CHUNK_SIZE) -> int:
-        """Create the namespace if needed; return its chunk size (fixed at creation)."""
+        """Create the namespace if needed; return its chunk size (fixed at creation).
+
+        A new namespace's `chunk_size` must be in MIN_CHUNK_SIZE..MAX_CHUNK_SIZE
+        (`CatalogInputError`); an existing one keeps the size it was created with.
+        """
+        check_chunk_size(chunk_size)
 
         def run() -> int:
             with self.db.write() as conn:

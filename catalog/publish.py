@@ -10,6 +10,7 @@ import sqlalchemy as sa
 
 from catalog.base import DEFAULT_CHUNK_SIZE
 from catalog.clock import utcnow
+from catalog.database import batches
 from catalog.errors import (
     MissingParentError,
     PublishError,
@@ -193,19 +194,19 @@ def record_in(
     # whole subtree), so publishes that share a system prompt do not all write, and
     # queue on, the same rows.
     extended = {r.parent_hash for r in kept_records if r.token_start > 0}
-    seen_ids = [chunk_id for h, chunk_id in present_ids if h not in extended]
-    if seen_ids:
+    seen_ids = sorted(chunk_id for h, chunk_id in present_ids if h not in extended)
+    for batch in batches(seen_ids):
         if conn.dialect.name == "postgresql":
             # Lock before updating, in id order: publishes re-recording the same
             # chunks then queue instead of deadlocking (the UPDATE alone locks in
             # whatever order its plan visits the rows).
             conn.execute(
                 sa.select(Chunk.id)
-                .where(Chunk.id.in_(seen_ids))
+                .where(Chunk.id.in_(batch))
                 .order_by(Chunk.id)
                 .with_for_update(key_share=True)
             )
-        conn.execute(sa.update(Chunk).where(Chunk.id.in_(seen_ids)).values(last_seen_at=now))
+        conn.execute(sa.update(Chunk).where(Chunk.id.in_(batch)).values(last_seen_at=now))
     replicas_added = sum(
         add_replicas(
             db,
@@ -237,21 +238,21 @@ def chunk_keys(
     conn: sa.Connection, records: Sequence[ChunkRecord]
 ) -> dict[tuple[Any, ...], tuple[int, str]]:
     """(fingerprint, prefix, shard) -> (chunk id, blob key) of the catalogued chunks among `records`."""
-    rows = conn.execute(
-        sa.select(
-            Chunk.id,
-            Chunk.fingerprint,
-            Chunk.prefix_hash,
-            Chunk.layer_lo,
-            Chunk.layer_hi,
-            Chunk.head_lo,
-            Chunk.head_hi,
-            Chunk.blob_key,
-        ).where(
-            Chunk.prefix_hash.in_(sorted({r.prefix_hash for r in records})),
-            Chunk.fingerprint.in_(sorted({r.fingerprint.hex for r in records})),
-        )
-    ).all()
+    rows: list[Any] = []
+    fps = sorted({r.fingerprint.hex for r in records})
+    for batch in batches(sorted({r.prefix_hash for r in records})):
+        rows += conn.execute(
+            sa.select(
+                Chunk.id,
+                Chunk.fingerprint,
+                Chunk.prefix_hash,
+                Chunk.layer_lo,
+                Chunk.layer_hi,
+                Chunk.head_lo,
+                Chunk.head_hi,
+                Chunk.blob_key,
+            ).where(Chunk.prefix_hash.in_(batch), Chunk.fingerprint.in_(fps))
+        ).all()
     return {
         (r.fingerprint, r.prefix_hash, r.layer_lo, r.layer_hi, r.head_lo, r.head_hi): (
             r.id,
@@ -264,24 +265,30 @@ def chunk_keys(
 def prefix_rows(conn: sa.Connection, hashes: set[bytes]) -> dict[bytes, Any]:
     if not hashes:
         return {}
-    rows = conn.execute(
-        sa.select(
-            PrefixNode.prefix_hash,
-            PrefixNode.namespace_id,
-            PrefixNode.token_start,
-            PrefixNode.token_count,
-        ).where(PrefixNode.prefix_hash.in_(list(hashes)))
-    ).all()
+    rows: list[Any] = []
+    for batch in batches(sorted(hashes)):
+        rows += conn.execute(
+            sa.select(
+                PrefixNode.prefix_hash,
+                PrefixNode.namespace_id,
+                PrefixNode.token_start,
+                PrefixNode.token_count,
+            ).where(PrefixNode.prefix_hash.in_(batch))
+        ).all()
     return {r.prefix_hash: r for r in rows}
 
 
 def quarantined_among(conn: sa.Connection, hashes: list[bytes]) -> set[bytes]:
-    rows = conn.execute(
-        sa.select(PrefixNode.prefix_hash).where(
-            PrefixNode.prefix_hash.in_(hashes), PrefixNode.quarantined.is_(True)
+    out: set[bytes] = set()
+    for batch in batches(hashes):
+        out.update(
+            conn.execute(
+                sa.select(PrefixNode.prefix_hash).where(
+                    PrefixNode.prefix_hash.in_(batch), PrefixNode.quarantined.is_(True)
+                )
+            ).scalars()
         )
-    ).scalars()
-    return set(rows)
+    return out
 
 
 def _ident(r: ChunkRecord) -> tuple[Any, ...]:

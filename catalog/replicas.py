@@ -10,6 +10,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from catalog.clock import utcnow
+from catalog.database import batches
 from catalog.errors import (
     CatalogInputError,
     NotFoundError,
@@ -77,11 +78,14 @@ def add_replicas(
     keys = sorted({k for k, _ in rows})
     existing: dict[tuple[str, str], str] = {}
     deleting: list[tuple[str, str]] = []
-    for r in conn.execute(
-        sa.select(Replica.blob_key, Replica.namespace_id, Replica.location, Replica.state).where(
-            Replica.blob_key.in_(keys)
-        )
-    ):
+    found: list[Any] = []
+    for batch in batches(keys):
+        found += conn.execute(
+            sa.select(
+                Replica.blob_key, Replica.namespace_id, Replica.location, Replica.state
+            ).where(Replica.blob_key.in_(batch))
+        ).all()
+    for r in found:
         k = (r.blob_key, r.location)
         if k not in rows:
             continue
@@ -322,20 +326,22 @@ class Replicas:
         fp = fingerprint_hex(fingerprint)
         if not prefix_hashes:
             return {}
+        rows: list[Any] = []
         with self.db.read() as conn:
-            rows = conn.execute(
-                sa.select(Chunk.prefix_hash, Chunk.blob_key)
-                .join(PrefixNode, PrefixNode.prefix_hash == Chunk.prefix_hash)
-                .join(Namespace, Namespace.id == PrefixNode.namespace_id)
-                .where(
-                    Namespace.name == namespace,
-                    Chunk.state == "ready",  # one GC is purging must be put again
-                    Chunk.fingerprint == fp,
-                    Chunk.prefix_hash.in_(list(prefix_hashes)),
-                    Chunk.layer_lo == shard.layer_lo,
-                    Chunk.layer_hi == shard.layer_hi,
-                    Chunk.head_lo == shard.head_lo,
-                    Chunk.head_hi == shard.head_hi,
-                )
-            ).all()
+            for batch in batches(list(prefix_hashes)):  # one bind variable per hash
+                rows += conn.execute(
+                    sa.select(Chunk.prefix_hash, Chunk.blob_key)
+                    .join(PrefixNode, PrefixNode.prefix_hash == Chunk.prefix_hash)
+                    .join(Namespace, Namespace.id == PrefixNode.namespace_id)
+                    .where(
+                        Namespace.name == namespace,
+                        Chunk.state == "ready",  # one GC is purging must be put again
+                        Chunk.fingerprint == fp,
+                        Chunk.prefix_hash.in_(batch),
+                        Chunk.layer_lo == shard.layer_lo,
+                        Chunk.layer_hi == shard.layer_hi,
+                        Chunk.head_lo == shard.head_lo,
+                        Chunk.head_hi == shard.head_hi,
+                    )
+                ).all()
         return {r.prefix_hash: r.blob_key for r in rows}

@@ -85,11 +85,13 @@ def hold(conn: sa.Connection, ns_ids: Iterable[int], hashes: set[bytes], what: s
             conn.execute(sa.select(sa.func.pg_advisory_xact_lock_shared(_gc_lock_key(ns_id))))
     if not hashes:
         return []
-    rows = conn.execute(
-        sa.select(Chunk.id, Chunk.prefix_hash, Chunk.state)
-        .where(Chunk.prefix_hash.in_(sorted(hashes)))
-        .order_by(Chunk.id)
-    ).all()
+    rows: list[Any] = []
+    for batch in database.batches(sorted(hashes)):
+        rows += conn.execute(
+            sa.select(Chunk.id, Chunk.prefix_hash, Chunk.state)
+            .where(Chunk.prefix_hash.in_(batch))
+            .order_by(Chunk.id)
+        ).all()
     purging = tuple(sorted({r.prefix_hash for r in rows if r.state == "purging"}))
     if purging:
         raise PurgeInProgressError(

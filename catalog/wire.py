@@ -19,6 +19,7 @@ from pydantic import (
     StringConstraints,
 )
 
+from catalog.base import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from catalog.identity import MAX_TOKEN_ID
 from catalog.models import (
     ChunkMatch,
@@ -128,7 +129,7 @@ class ReceiptModel(WireModel):
 
 
 class NamespaceRequest(WireModel):
-    chunk_size: Annotated[int, Field(strict=True, ge=1, le=65536)]
+    chunk_size: Annotated[int, Field(strict=True, ge=MIN_CHUNK_SIZE, le=MAX_CHUNK_SIZE)]
 
 
 class NamespaceResponse(WireModel):

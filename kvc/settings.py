@@ -15,6 +15,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from catalog.base import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
+
 
 def _config_file() -> Path:
     return Path(os.environ.get("KVC_CONFIG", "kvc.toml"))
@@ -40,7 +42,7 @@ class Settings(BaseSettings):
         "object stores after it get write-behind uploads",
     )
     namespace: str = "default"
-    chunk_size: int = Field(default=256, ge=1, le=65536)
+    chunk_size: int = Field(default=256, ge=MIN_CHUNK_SIZE, le=MAX_CHUNK_SIZE)
     page_size: int = Field(default=16, ge=1, le=4096)
     host: str = "127.0.0.1"
     port: int = Field(default=8707, ge=1, le=65535)

@@ -15,6 +15,7 @@ from catalog import chain_hash, chain_root, prefix_hashes
 from catalog.catalog import Catalog
 from catalog.errors import (
     CatalogError,
+    CatalogInputError,
     NotFoundError,
     PublishError,
     RefConflictError,
@@ -641,3 +642,41 @@ def test_a_refused_publish_leaves_no_cached_fingerprint_or_namespace(cat: Catalo
     assert cat.record_chunks(bad).recorded == 2
     assert cat.get_fingerprint(FP2.hex) == FP2
     assert len(cat.lookup("fresh", FP2, list(range(9))).chunks) == 2
+
+
+def test_a_long_prompt_in_small_chunks_stays_under_sqlites_variable_limit(tmp_path: Path) -> None:
+    import sqlite3
+
+    from catalog.base import MIN_CHUNK_SIZE
+
+    cat = Catalog.open(f"sqlite:///{tmp_path / 'catalog.db'}", upgrade=True)
+
+    # SQLite's own default (many builds, this interpreter's may allow more): 32766 variables.
+    @sa.event.listens_for(cat.db.engine, "connect")
+    def default_limit(dbapi_conn: Any, record: Any) -> None:
+        dbapi_conn.setlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER, 32766)
+
+    cat.db.engine.dispose()
+    try:
+        cs = MIN_CHUNK_SIZE
+        cat.ensure_namespace("small", cs)
+        prompt = [(i * 7919) % 50000 for i in range(300_000)]  # 75,000 chunks: 75,000 hashes
+        stored = publish(cat, "small", prompt[: 3 * cs], chunk_size=cs)
+        match = cat.lookup("small", FP, prompt)
+        assert match.matched_tokens == 3 * cs
+        assert [c.prefix_hash for c in match.chunks] == [r.prefix_hash for r in stored]
+        hashes = prefix_hashes("small", prompt, cs)
+        found = cat.known_blob_keys("small", FP, hashes, Shard.full(FP.layout))
+        assert found == {r.prefix_hash: r.blob_key for r in stored}
+        assert cat.demand("small", hashes) == {}
+    finally:
+        cat.close()
+
+
+@pytest.mark.parametrize("chunk_size", [0, 1, 3, 65537, True])
+def test_a_chunk_size_out_of_bounds_is_refused_naming_the_bounds(
+    cat: Catalog, chunk_size: int
+) -> None:
+    with pytest.raises(CatalogInputError, match=r"chunk_size must be an int in 4\.\.65536"):
+        cat.ensure_namespace("odd", chunk_size)
+    assert cat.namespace_chunk_size("odd") is None

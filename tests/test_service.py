@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import warnings
 from collections.abc import Iterator
@@ -294,6 +295,19 @@ def test_namespace_endpoint_creates_and_reports_chunk_size(client: TestClient) -
     assert r.json() == {"chunk_size": 8}  # fixed at creation
 
 
+@pytest.mark.parametrize("chunk_size", [1, 3, 65537])
+def test_a_chunk_size_out_of_bounds_is_422_naming_the_bound(
+    client: TestClient, chunk_size: int
+) -> None:
+    url = "/v1/namespaces/empty/namespace"
+    r = client.post(url, json={"chunk_size": chunk_size}, headers=auth("e"))
+    assert r.status_code == 422
+    bound = "4" if chunk_size < 4 else "65536"
+    assert [e["loc"] for e in r.json()["detail"]] == [["body", "chunk_size"]]
+    assert bound in r.json()["detail"][0]["msg"]
+    assert client.get(url, headers=auth("e")).json() == {"chunk_size": None}
+
+
 def test_openapi_is_served(client: TestClient) -> None:
     doc = client.get("/openapi.json").json()
     assert "/v1/namespaces/{namespace}/lookup" in doc["paths"]
@@ -558,3 +572,163 @@ def test_every_route_with_a_body_declares_400_and_413(client: TestClient) -> Non
     assert len(with_body) > 10
     for path, method, responses in with_body:
         assert {"400", "413", "422"} <= set(responses), (method, path)
+
+
+def test_a_catalog_that_is_down_answers_503_without_its_url_or_the_drivers_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    home = tmp_path / "catalog-home"
+    home.mkdir()
+    down = Catalog.open(f"sqlite:///{home / 'catalog.db'}", upgrade=True)
+    down.ensure_namespace("a", CS)
+    app = create_app(down, {"a": hash_token(TOKEN_A)}, max_prompt_tokens=MAX_PROMPT)
+    try:
+        with TestClient(app, raise_server_exceptions=False) as client:
+            # The database's directory goes away: every new connection fails to open it.
+            home.rename(tmp_path / "gone")
+            down.db.engine.dispose()
+            with caplog.at_level(logging.WARNING, logger="kvc.service.app"):
+                r = client.post("/v1/namespaces/a/lookup", json=lookup_body(), headers=auth())
+                r_stats = client.get("/v1/namespaces/a/stats", headers=auth())
+    finally:
+        down.close()
+    for answer in (r, r_stats):
+        assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
+        assert answer.json() == {
+            "detail": "catalog unavailable",
+            "error": "CatalogUnavailableError",
+        }
+        assert "catalog-home" not in answer.text and "sqlite" not in answer.text
+        assert "unable to open" not in answer.text
+    # The operator still learns which database and what the driver said.
+    logged = caplog.text
+    assert "catalog-home" in logged and "unable to open database file" in logged
+
+
+def test_an_outcome_unknown_answers_504_without_the_catalogs_url(
+    client: TestClient,
+    cat: Catalog,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from catalog.errors import OutcomeUnknownError
+
+    def lost(*a: object, **k: object) -> None:
+        raise OutcomeUnknownError(f"catalog {cat.url}: the connection was lost while committing")
+
+    monkeypatch.setattr(cat, "record_chunks", lost)
+    with caplog.at_level(logging.WARNING, logger="kvc.service.app"):
+        r = client.post("/v1/namespaces/a/chunks", json=publish_body(), headers=auth())
+    assert r.status_code == 504 and r.json()["error"] == "OutcomeUnknownError"
+    assert cat.url not in r.text and "may or may not have landed" in r.json()["detail"]
+    assert cat.url in caplog.text
+
+
+# -- body caps derived from the token limit, and parsing off the event loop (issue 25) --------
+
+
+def _asgi_post(app: Any, path: str, headers: dict[str, str], chunks: list[bytes]) -> tuple[int, int]:
+    """POST `chunks` to `app` over raw ASGI: (status, body messages the app read)."""
+    import anyio
+
+    read = 0
+    status = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal read
+        if read < len(chunks):
+            read += 1
+            return {"type": "http.request", "body": chunks[read - 1], "more_body": read < len(chunks)}
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = message["status"]
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    anyio.run(app, scope, receive, send)
+    return status, read
+
+
+def test_a_lookup_over_the_token_limits_byte_size_is_413_unread(cat: Catalog) -> None:
+    from kvc.service.limits import LOOKUP_ENVELOPE, TOKEN_BYTES
+
+    limit = 100_000
+    app = create_app(cat, {"a": hash_token(TOKEN_A)}, max_prompt_tokens=limit)
+    cap = LOOKUP_ENVELOPE + limit * TOKEN_BYTES  # about 1.2 MB, not the 64 MiB of any call
+    assert cap < 2 << 20
+    url = "/v1/namespaces/a/lookup"
+    headers = {**auth(), "content-type": "application/json"}
+    # 60 MiB announced: refused before one byte of it is read.
+    status, read = _asgi_post(app, url, {**headers, "content-length": str(60 << 20)}, [b"x"])
+    assert (status, read) == (413, 0)
+    # The same 60 MiB streamed (no Content-Length): refused once past the cap, not at its end.
+    piece = b" " * (64 << 10)
+    status, read = _asgi_post(app, url, headers, [piece] * (60 << 4))
+    assert status == 413 and read * len(piece) <= cap + len(piece)
+    # The largest lookup the token limit allows (every id 10 digits) is still parsed.
+    body = json.dumps(lookup_body([4_294_967_295] * limit, shard=None)).encode()
+    status, _ = _asgi_post(app, url, {**headers, "content-length": str(len(body))}, [body])
+    assert status == 204
+
+
+def test_metrics_answer_while_a_big_lookup_body_is_parsed(
+    cat: Catalog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    app = create_app(cat, {"a": hash_token(TOKEN_A)}, max_prompt_tokens=200_000)
+    body = json.dumps(lookup_body(list(range(200_000)))).encode()
+    parsing, release = threading.Event(), threading.Event()
+    real_loads = json.loads
+
+    def held_loads(s: Any, *a: Any, **k: Any) -> Any:
+        # Holds the parse of this one body (wherever the service parses it) until released.
+        if isinstance(s, bytes | bytearray) and s == body:
+            parsing.set()
+            release.wait(60)
+        return real_loads(s, *a, **k)
+
+    monkeypatch.setattr(json, "loads", held_loads)
+    answers: dict[str, Any] = {}
+    with TestClient(app, raise_server_exceptions=False) as client:
+
+        def big_lookup() -> None:
+            answers["lookup"] = client.post(
+                "/v1/namespaces/a/lookup",
+                content=body,
+                headers={**auth(), "content-type": "application/json"},
+            )
+
+        def scrape() -> None:
+            answers["metrics"] = client.get("/metrics")
+
+        poster = threading.Thread(target=big_lookup)
+        poster.start()
+        try:
+            assert parsing.wait(30), "the lookup's body was never parsed"
+            scraper = threading.Thread(target=scrape)
+            scraper.start()
+            # While the parse is held, the event loop still answers: the parse is elsewhere.
+            scraper.join(20)
+            metrics_answered = not scraper.is_alive()
+        finally:
+            release.set()
+            poster.join(60)
+    assert metrics_answered, "/metrics waited for a body being parsed on the event loop"
+    assert answers["metrics"].status_code == 200
+    assert answers["lookup"].status_code == 204

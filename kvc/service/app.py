@@ -32,7 +32,7 @@ from catalog.wire import NOT_FOUND, Health
 from kvc.service import routes_catalog, routes_refs, routes_replicas
 from kvc.service.auth import Authenticate
 from kvc.service.deps import PromptLimit
-from kvc.service.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from kvc.service.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, body_caps
 from kvc.service.metrics import CONTENT_TYPE_LATEST, Metrics
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,25 @@ def _refused(exc: Exception, status: int, **headers: str) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers or None)
 
 
+# What a tenant learns when the catalog's database fails: not its URL, host or driver's
+# message (those go to the service's log).
+UNAVAILABLE = "catalog unavailable"
+OUTCOME_UNKNOWN = (
+    "the catalog's database stopped answering while committing; "
+    "the change may or may not have landed"
+)
+
+
+def _withheld(
+    request: Request, exc: Exception, status: int, detail: str, **headers: str
+) -> JSONResponse:
+    """A catalog failure's answer: a fixed `detail` and the class name; the message is logged
+    (it names the database: `Database` keeps passwords out of its URL)."""
+    log.warning("%s %s: %s: %s", request.method, request.url.path, exc.__class__.__name__, exc)
+    body = {"detail": detail, "error": exc.__class__.__name__}
+    return JSONResponse(body, status_code=status, headers=headers or None)
+
+
 def _unreadable_body(request: Request, exc: RequestValidationError) -> str | None:
     """What makes the request body unreadable (malformed JSON, or a body not sent as JSON),
     or None when it is JSON that validation refused (422)."""
@@ -143,12 +162,12 @@ def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     @app.exception_handler(CatalogUnavailableError)
     def on_unavailable(request: Request, exc: Exception) -> JSONResponse:
         metrics.unavailable.inc()
-        return _refused(exc, 503, **{"Retry-After": "1"})
+        return _withheld(request, exc, 503, UNAVAILABLE, **{"Retry-After": "1"})
 
     @app.exception_handler(OutcomeUnknownError)
     def on_outcome_unknown(request: Request, exc: Exception) -> JSONResponse:
         metrics.unavailable.inc()
-        return _refused(exc, 504)
+        return _withheld(request, exc, 504, OUTCOME_UNKNOWN)
 
     @app.exception_handler(AccessDeniedError)
     def on_denied(request: Request, exc: Exception) -> JSONResponse:
@@ -158,7 +177,7 @@ def _add_error_handlers(app: FastAPI, metrics: Metrics) -> None:
     def on_catalog_error(request: Request, exc: Exception) -> JSONResponse:
         # Any other catalog error (a schema at the wrong revision): not serving for now.
         metrics.unavailable.inc()
-        return _refused(exc, 503, **{"Retry-After": "1"})
+        return _withheld(request, exc, 503, UNAVAILABLE, **{"Retry-After": "1"})
 
 
 def create_app(
@@ -214,7 +233,11 @@ def create_app(
     app.state.prompt_limit = PromptLimit(max_prompt_tokens)
     app.state.token_hashes = hashes
     # Added last, so outermost: `Guard` also covers `Authenticate`.
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=max_body_bytes,
+        per_route=body_caps(max_prompt_tokens, max_body_bytes),
+    )
     app.add_middleware(Authenticate, hashes=hashes)
     app.add_middleware(Guard, metrics=metrics)
     _add_error_handlers(app, metrics)

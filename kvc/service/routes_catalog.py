@@ -36,8 +36,9 @@ from catalog.wire import (
 )
 from kvc.service.auth import Ns, not_found
 from kvc.service.deps import Cat, Counters, Limit, refusals
+from kvc.service.parsing import ThreadParsedRoute
 
-router = APIRouter(prefix=API_PREFIX)
+router = APIRouter(prefix=API_PREFIX, route_class=ThreadParsedRoute)
 
 
 # -- namespace and fingerprints ------------------------------------------------

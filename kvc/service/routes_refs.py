@@ -24,8 +24,9 @@ from catalog.wire_refs import (
 )
 from kvc.service.auth import Ns
 from kvc.service.deps import Cat, refusals
+from kvc.service.parsing import ThreadParsedRoute
 
-router = APIRouter(prefix=API_PREFIX)
+router = APIRouter(prefix=API_PREFIX, route_class=ThreadParsedRoute)
 
 # A DELETE has no body: its actor comes as a query parameter.
 ActorQuery = Annotated[str | None, Query(max_length=255, pattern=r"^[^\x00]*$")]

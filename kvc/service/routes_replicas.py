@@ -23,8 +23,9 @@ from catalog.wire import (
 )
 from kvc.service.auth import Ns, not_found
 from kvc.service.deps import Cat, refusals
+from kvc.service.parsing import ThreadParsedRoute
 
-router = APIRouter(prefix=API_PREFIX)
+router = APIRouter(prefix=API_PREFIX, route_class=ThreadParsedRoute)
 
 
 def _own_blob(catalog: Cat, namespace: str, blob_key: str) -> None:
