@@ -387,10 +387,8 @@ class Names:
                 )
                 conn.execute(
                     stmt.on_conflict_do_update(
-                        index_elements=["worker", "prefix_hash"],
+                        index_elements=["namespace_id", "worker", "prefix_hash"],
                         set_={"priority": priority, "expires_at": expires},
-                        # Only the namespace that declared it may renew it (no cross-tenant writes).
-                        where=Demand.namespace_id == ns[0],
                     )
                 )
 

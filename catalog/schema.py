@@ -256,13 +256,18 @@ class Demand(Base):
     """A worker's declared interest in a prefix until it expires (a GC root while live)."""
 
     __tablename__ = "demand"
-    worker: Mapped[str] = mapped_column(String(255), primary_key=True)
-    prefix_hash: Mapped[bytes] = mapped_column(Hash, primary_key=True)
+    worker: Mapped[str] = mapped_column(String(255))
+    prefix_hash: Mapped[bytes] = mapped_column(Hash)
     namespace_id: Mapped[int] = mapped_column(ForeignKey("namespaces.id"))
     priority: Mapped[float]
     expires_at: Mapped[datetime]
 
-    __table_args__ = (Index("ix_demand_expires", "expires_at"),)
+    __table_args__ = (
+        # The namespace is part of the key: one tenant's declaration never takes the
+        # place of another's for the same worker name and hash.
+        PrimaryKeyConstraint("namespace_id", "worker", "prefix_hash"),
+        Index("ix_demand_expires", "expires_at"),
+    )
 
 
 class Pin(Base):

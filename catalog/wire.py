@@ -50,6 +50,8 @@ TokenId = Annotated[int, Field(strict=True, ge=0, le=MAX_TOKEN_ID)]
 Count = Annotated[int, Field(strict=True, ge=0, le=2**63 - 1)]
 TierName = Literal["resident", "local", "object"]
 StateName = Literal["durable", "ready", "corrupt", "missing", "deleting"]
+# What a tenant may set: `deleting` belongs to GC, which runs beside the catalog, not over HTTP.
+MarkableState = Literal["durable", "ready", "corrupt", "missing"]
 Text = Annotated[str, StringConstraints(min_length=1, max_length=1024, pattern=NO_NUL)]
 Short = Annotated[str, StringConstraints(max_length=255, pattern=NO_NUL)]
 # A replica's location is a URI; the catalog files its store under the scheme (16 characters).
@@ -310,7 +312,7 @@ class RecordReplicaResponse(WireModel):
 class MarkReplicaRequest(WireModel):
     blob_key: Hex64
     location: Text
-    state: StateName
+    state: MarkableState
     reason: Reason
     actor: Actor = None
 

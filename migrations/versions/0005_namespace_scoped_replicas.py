@@ -1,4 +1,4 @@
-"""tenancy: replica rows and fingerprint registrations belong to a namespace; grafted chains removed
+"""tenancy: replicas, demand and fingerprint registrations belong to a namespace; grafts removed
 
 Revision ID: 0005
 Revises: 0004
@@ -12,6 +12,8 @@ Upgrading:
 - gives each replica row to every namespace whose chunks name its blob (a row no chunk
   names is dropped: its bytes are orphans, which GC's sweep reclaims after its grace);
 - records which namespaces use which fingerprints (from their chunks and refs);
+- keys demand by (namespace, worker, prefix), so one tenant's declaration cannot take the
+  place of another's;
 - removes grafted chains: nodes extending a node of another namespace, with their subtree
   in the grafting namespace, their chunks, replica rows, refs, pins and demand. The
   victim's own nodes stay; what it loses is cache, which its next checkpoint stores again.
@@ -91,6 +93,46 @@ def _replicas_table(*, scoped: bool) -> None:
     op.create_index("ix_replicas_location", "replicas", ["location"], unique=False)
 
 
+def _demand_table(*, scoped: bool) -> None:
+    op.create_table(
+        "demand",
+        sa.Column("worker", sa.String(length=255), nullable=False),
+        sa.Column("prefix_hash", sa.LargeBinary(length=32), nullable=False),
+        sa.Column("namespace_id", sa.Integer(), nullable=False),
+        sa.Column("priority", sa.Double(), nullable=False),
+        sa.Column("expires_at", catalog.schema.UTCDateTime(timezone=True), nullable=False),
+        sa.ForeignKeyConstraint(
+            ["namespace_id"], ["namespaces.id"], name=op.f("fk_demand_namespace_id_namespaces")
+        ),
+        sa.PrimaryKeyConstraint(
+            *(("namespace_id", "worker", "prefix_hash") if scoped else ("worker", "prefix_hash")),
+            name=op.f("pk_demand"),
+        ),
+    )
+    op.create_index("ix_demand_expires", "demand", ["expires_at"], unique=False)
+
+
+def _rekey_demand(*, scoped: bool) -> None:
+    """Recreate `demand` with its new key; declarations are copied (when going back to the
+    old key, one per (worker, prefix): the lowest namespace's)."""
+    op.execute("CREATE TABLE demand_copy AS SELECT * FROM demand")
+    op.drop_index("ix_demand_expires", table_name="demand")
+    op.drop_table("demand")
+    _demand_table(scoped=scoped)
+    keep = (
+        ""
+        if scoped
+        else " WHERE d.namespace_id = (SELECT min(x.namespace_id) FROM demand_copy x"
+        " WHERE x.worker = d.worker AND x.prefix_hash = d.prefix_hash)"
+    )
+    op.execute(
+        "INSERT INTO demand (worker, prefix_hash, namespace_id, priority, expires_at)"
+        " SELECT d.worker, d.prefix_hash, d.namespace_id, d.priority, d.expires_at"
+        f" FROM demand_copy d{keep}"
+    )
+    op.drop_table("demand_copy")
+
+
 def _remove_grafts(conn: sa.Connection, now: datetime) -> None:
     grafts = conn.execute(
         sa.text(
@@ -102,11 +144,26 @@ def _remove_grafts(conn: sa.Connection, now: datetime) -> None:
             " ORDER BY c.prefix_hash"
         )
     ).all()
+    # The namespace a chain belongs to is that of its first node, whose parent publish
+    # checked to be that namespace's root: a node under another namespace's node is a graft
+    # only if its chain is not its own (bob's node under alice's graft is bob's).
+    first_of_chain = sa.text(
+        "WITH RECURSIVE up(h, parent, ns, start) AS ("
+        " SELECT prefix_hash, parent_hash, namespace_id, token_start FROM prefixes"
+        " WHERE prefix_hash = :h UNION ALL"
+        " SELECT p.prefix_hash, p.parent_hash, p.namespace_id, p.token_start"
+        " FROM prefixes p JOIN up ON p.prefix_hash = up.parent WHERE up.start > 0)"
+        " SELECT ns FROM up WHERE start = 0"
+    ).bindparams(sa.bindparam("h", type_=sa.LargeBinary()))
     subtree = sa.text(
         "WITH RECURSIVE down(h) AS (SELECT :h UNION ALL"
         " SELECT p.prefix_hash FROM prefixes p JOIN down ON p.parent_hash = down.h"
         " WHERE p.namespace_id = :ns) SELECT h FROM down"
     ).bindparams(sa.bindparam("h", type_=sa.LargeBinary()))
+    # Decided for every candidate before any removal (a removal breaks chains below it).
+    grafts = [
+        g for g in grafts if conn.execute(first_of_chain, {"h": g[0]}).scalar() not in (g[1], None)
+    ]
     for graft, ns_id, ns_name, parent_ns in grafts:
         nodes = [bytes(h) for h in conn.execute(subtree, {"h": graft, "ns": ns_id}).scalars()]
         if not nodes:  # already removed under an earlier graft of the same chain
@@ -227,6 +284,7 @@ def upgrade() -> None:
                 details={"replicas": int(unowned), "reason": "no chunk names the blob"},
             )
         )
+    _rekey_demand(scoped=True)
     _remove_grafts(conn, now)
     create_views()
 
@@ -245,5 +303,6 @@ def downgrade() -> None:
         " FROM replicas_0005 x WHERE x.blob_key = r.blob_key AND x.location = r.location)"
     )
     op.drop_table("replicas_0005")
+    _rekey_demand(scoped=False)
     op.drop_table("namespace_fingerprints")
     create_views(replica_namespaces=False)
