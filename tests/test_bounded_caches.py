@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from catalog import transactions
 from catalog.access import AccessLog
 from catalog.catalog import Catalog
+from catalog.identity import Fingerprint
 from catalog.lru import LRU
 from kvc.service.app import create_app
 from kvc.service.limits import BodyLimit
@@ -41,6 +42,40 @@ def test_the_lru_forgets_the_least_recently_used() -> None:
     assert len(lru) == 2 and "b" not in lru and lru.get("a") == 1 and lru.get("c") == 3
     with pytest.raises(ValueError):
         LRU(0)
+
+
+def test_a_weighed_lru_keeps_its_weight_under_the_bound() -> None:
+    lru: LRU[str, bytes] = LRU(100, max_weight=10, weigh=len)
+    lru.put("a", b"xxxx")
+    lru.put("b", b"xxxx")
+    lru.put("c", b"xxxx")  # 12 > 10: "a" goes
+    assert "a" not in lru and lru.weight == 8
+    lru.put("b", b"x")  # replacing an entry replaces its weight
+    assert lru.weight == 5
+    lru.put("huge", b"x" * 11)  # heavier than the bound: not kept, nothing else lost
+    assert "huge" not in lru and lru.weight == 5 and len(lru) == 2
+    with pytest.raises(ValueError, match="go together"):
+        LRU(2, max_weight=10)
+
+
+def test_the_fingerprint_cache_is_bounded_by_bytes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Many large descriptors (each under the 64 KiB cap) never hold more than the byte bound."""
+    monkeypatch.setattr(transactions, "FINGERPRINT_CACHE_BYTES", 200_000)
+    small = Catalog.open(f"sqlite:///{tmp_path / 'catalog.db'}", upgrade=True)
+    try:
+        for i in range(20):
+            desc = dict(FP.descriptor)
+            desc["config"] = {"i": i, "pad": "x" * 60_000}
+            small.register_fingerprint(Fingerprint.from_descriptor(desc), namespace="default")
+        assert small.db._fp_cache.weight <= 200_000 and len(small.db._fp_cache) == 3
+        first = dict(FP.descriptor)
+        first["config"] = {"i": 0, "pad": "x" * 60_000}
+        again = Fingerprint.from_descriptor(first)
+        assert small.get_fingerprint(again.hex, namespace="default") == again  # read again
+    finally:
+        small.close()
 
 
 def test_the_namespace_cache_is_bounded(
