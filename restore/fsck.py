@@ -17,13 +17,16 @@ the outcome is unknown.
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from catalog.admin import replicas_elsewhere, replicas_to_check
 from catalog.catalog import Catalog
+from catalog.errors import IdentityError
+from catalog.identity import AttentionLayout
 from chunkstore import ChunkStore
 from chunkstore.errors import (
     BlobNotFoundError,
@@ -31,7 +34,7 @@ from chunkstore.errors import (
     ChunkIntegrityError,
     ChunkStoreError,
 )
-from chunkstore.record import decode_chunk
+from restore.bounds import verify_within_layout
 from restore.descriptors import store_descriptor
 from restore.errors import InputError
 from restore.progress import Progress
@@ -127,6 +130,20 @@ class FsckReport:
         }
 
 
+def layouts(catalog: Catalog) -> Callable[[str], AttentionLayout | None]:
+    """The attention layout of a catalogued fingerprint by hex (None if unknown), cached."""
+
+    @functools.cache
+    def layout_of(hex_: str) -> AttentionLayout | None:
+        try:
+            fp = catalog.get_fingerprint(hex_)
+        except IdentityError:  # a header naming no valid hex: verification refuses it
+            return None
+        return None if fp is None else fp.layout
+
+    return layout_of
+
+
 def in_subset(key: str, subset: tuple[int, int] | None) -> bool:
     """Whether blob `key` is in part n of t (`subset` = (n, t)); every key is in None."""
     # Blob keys are uniform digests, so their leading bits split the work evenly and stably.
@@ -152,6 +169,7 @@ def fsck(
     if subset is not None and not 1 <= subset[0] <= subset[1]:
         raise InputError(f"subset {subset[0]}/{subset[1]}: need 1 <= n <= t")
     by_name = {s.name: s for s in stores}
+    layout_of = layouts(catalog)
     report = FsckReport(read_data=read_data, stores=sorted(by_name))
     rows = [r for r in replicas_to_check(catalog, by_name) if in_subset(r.blob_key, subset)]
     report.not_checked = replicas_elsewhere(catalog, by_name)
@@ -180,7 +198,7 @@ def fsck(
             if read_data:
                 data = store.get(key)
                 try:
-                    decode_chunk(data, expected_key=key)
+                    verify_within_layout(data, key, layout_of)
                 finally:
                     if isinstance(data, memoryview):
                         data.release()
@@ -231,6 +249,7 @@ def _repair(
 ) -> list[Repaired]:
     """Copy verified bytes from a good replica over each broken one; return what was repaired."""
     bad = {(b.blob_key, b.location) for b in broken}
+    layout_of = layouts(catalog)
     out: list[Repaired] = []
     for item in broken:
         key, loc = item.blob_key, item.location
@@ -241,7 +260,7 @@ def _repair(
                 continue
             try:
                 data = bytes(src.get(key))
-                header = decode_chunk(data, expected_key=key).header  # only verified bytes
+                header = verify_within_layout(data, key, layout_of)  # only verified bytes
                 target = stores[loc]
                 fp = catalog.get_fingerprint(header.fingerprint)
                 if fp is not None:  # the store keeps describing its own blobs
@@ -250,9 +269,7 @@ def _repair(
                 receipt = target.put(key, data)
             except (ChunkStoreError, OSError, ValueError):
                 continue
-            catalog.record_replica(
-                key, to_replica_receipt(receipt, target.tier), actor=actor
-            )
+            catalog.record_replica(key, to_replica_receipt(receipt, target.tier), actor=actor)
             log.info("fsck: repaired %s at %s from %s", key, loc, src_name)
             out.append(Repaired(key, loc, src_name))
             break

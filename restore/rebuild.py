@@ -38,6 +38,7 @@ from typing import Any
 from catalog import Fingerprint, chain_hash, chain_root
 from catalog.catalog import Catalog
 from catalog.errors import CatalogError, IdentityError, NotFoundError, PublishError
+from catalog.identity import AttentionLayout
 from catalog.models import ChunkRecord, Shard
 from chunkstore import ChunkStore
 from restore.descriptors import load_descriptors
@@ -264,7 +265,16 @@ def rebuild(
         return resolved[hex_]
 
     # Step 2: every copy in every store, read and verified, merged by key.
-    scan = scan_stores(store_list, verify=verify, progress=progress)
+    def layout_of(hex_: str) -> AttentionLayout | None:
+        fp = (
+            resolved.get(hex_)
+            or view.fingerprint(hex_)
+            or loaded.found.get(hex_)
+            or given.get(hex_)
+        )
+        return None if fp is None else fp.layout
+
+    scan = scan_stores(store_list, verify=verify, layout_of=layout_of, progress=progress)
     report.copies = scan.copies
     report.unlisted = scan.unlisted
     report.corrupt = dict(sorted(scan.damaged.items()))

@@ -9,14 +9,16 @@ verification or cannot be read gives no replica; it is listed in `damaged`
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from catalog.identity import AttentionLayout
 from catalog.models import ReplicaReceipt
 from chunkstore import ChunkStore
 from chunkstore.base import Tier
 from chunkstore.errors import ChunkStoreError
-from chunkstore.record import ChunkHeader, decode_chunk, read_header
+from chunkstore.record import ChunkHeader, read_header
+from restore.bounds import verify_within_layout
 from restore.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -47,13 +49,17 @@ class Scan:
 
 
 def scan_stores(
-    stores: Sequence[ChunkStore], *, verify: bool, progress: Progress | None = None
+    stores: Sequence[ChunkStore],
+    *,
+    verify: bool,
+    layout_of: Callable[[str], AttentionLayout | None],
+    progress: Progress | None = None,
 ) -> Scan:
     """List and read every blob of `stores`; `progress("rebuild read", done, total)` per copy.
 
-    With `verify` each copy is read whole and checked against its key
-    (`decode_chunk`); without, only its header is parsed (the header's own
-    digest is still checked).
+    With `verify` each copy is read whole and checked against its key, within its
+    fingerprint's layout (`layout_of(hex)`, see `verify_within_layout`); without, only its
+    header is parsed (the header's own digest is still checked).
     """
     scan = Scan()
     listed: list[tuple[ChunkStore, list[str]]] = []
@@ -71,18 +77,25 @@ def scan_stores(
     for store, keys in listed:
         tier = store.tier
         for key in keys:
-            _read(store, key, verify, tier, scan)
+            _read(store, key, verify, layout_of, tier, scan)
             done += 1
             if progress is not None:
                 progress("rebuild read", done, total)
     return scan
 
 
-def _read(store: ChunkStore, key: str, verify: bool, tier: Tier, scan: Scan) -> None:
+def _read(
+    store: ChunkStore,
+    key: str,
+    verify: bool,
+    layout_of: Callable[[str], AttentionLayout | None],
+    tier: Tier,
+    scan: Scan,
+) -> None:
     try:
         stat = store.stat(key)
         data = store.get(key)
-        header = decode_chunk(data, expected_key=key).header if verify else read_header(data)
+        header = verify_within_layout(data, key, layout_of) if verify else read_header(data)
     except ValueError as exc:  # ChunkFormatError, ChunkIntegrityError
         log.warning("rebuild: blob %s in %s is corrupt: %s", key, store.name, exc)
         scan.damaged.setdefault(key, {})[store.name] = f"corrupt: {exc}"

@@ -39,6 +39,8 @@ from chunkstore.record import (
     read_header,
 )
 from restore.checkpoint import Checkpointer
+from restore.fsck import fsck
+from restore.rebuild_scan import scan_stores
 from restore.engines.reference import ReferenceModel
 from restore.pool import PagePool
 from restore.restore import Restorer
@@ -269,15 +271,11 @@ def test_rle_zstd_frame_is_a_real_frame() -> None:
     assert zstandard.ZstdDecompressor().decompress(frame) == bytes(3 << 17)
 
 
-def test_a_planted_blob_declaring_a_huge_payload_is_refused_from_its_header(
-    setup: Any, tmp_path: Path
-) -> None:
-    """A tenant plants a ~8 KiB record under its own key whose header declares a 256 MiB
-    payload (a zstd frame of RLE blocks, the 32768x a frame can honestly expand) and
-    catalogues it as chunk 1. The restore refuses it from the header, against the
-    fingerprint's layout, before decoding: no 256 MiB allocation, the replica is marked
-    corrupt and the caller recomputes from chunk 1."""
-    cat, a, _, keys = setup
+def plant_bomb(
+    cat: Catalog, a: Any, keys: list[str], tmp_path: Path
+) -> tuple[Catalog, EncodedChunk]:
+    """A catalog (of its own) whose chunk 1 is a ~8 KiB record declaring a 256 MiB payload,
+    stored under its own key beside the real chunks."""
     real = bytes(a.inner.get(keys[1]))
     bomb = forged_record(real, head_dim=1 << 18)  # 4 x 2 x 32 x 2 x 262144 fp16 = 256 MiB
     assert len(bomb.data) < 16 << 10 and bomb.header.raw_size == 256 << 20
@@ -308,6 +306,19 @@ def test_a_planted_blob_declaring_a_huge_payload_is_refused_from_its_header(
             )
         )
     planted.record_chunks(records)
+    return planted, bomb
+
+
+def test_a_planted_blob_declaring_a_huge_payload_is_refused_from_its_header(
+    setup: Any, tmp_path: Path
+) -> None:
+    """A tenant plants a ~8 KiB record under its own key whose header declares a 256 MiB
+    payload (a zstd frame of RLE blocks, the 32768x a frame can honestly expand) and
+    catalogues it as chunk 1. The restore refuses it from the header, against the
+    fingerprint's layout, before decoding: no 256 MiB allocation, the replica is marked
+    corrupt and the caller recomputes from chunk 1."""
+    cat, a, _, keys = setup
+    planted, bomb = plant_bomb(cat, a, keys, tmp_path)
     tracemalloc.start()
     try:
         res, pool = restore(planted, [a])
@@ -319,4 +330,31 @@ def test_a_planted_blob_declaring_a_huge_payload_is_refused_from_its_header(
     assert_exact(res, pool)
     assert states(planted, bomb.key) == ["corrupt"]
     assert any("declares shape" in f for f in res.report.failures), res.report.failures
+    planted.close()
+
+
+def test_fsck_and_rebuild_refuse_a_planted_blob_from_its_header(
+    setup: Any, tmp_path: Path
+) -> None:
+    """The maintenance jobs that read whole blobs (`fsck --read-data`, a verifying rebuild)
+    check a header against its fingerprint's layout before decoding too."""
+    cat, a, _, keys = setup
+    planted, bomb = plant_bomb(cat, a, keys, tmp_path)
+    tracemalloc.start()
+    try:
+        report = fsck(planted, [a.inner], read_data=True, repair=False)
+        scan = scan_stores(
+            [a.inner],
+            verify=True,
+            layout_of=lambda h: MODEL.layout if h == MODEL.fingerprint.hex else None,
+        )
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 << 20, f"fsck or rebuild allocated {peak} bytes for a planted record"
+    assert [p.blob_key for p in report.corrupt] == [bomb.key]
+    assert "declares shape" in report.corrupt[0].reason
+    assert report.ok == report.checked - 1
+    assert list(scan.damaged) == [bomb.key] and bomb.key not in scan.blobs
+    assert set(scan.blobs) >= {k for k in keys if k != keys[1]}
     planted.close()
