@@ -39,10 +39,10 @@ from chunkstore.record import (
     read_header,
 )
 from restore.checkpoint import Checkpointer
-from restore.fsck import fsck
-from restore.rebuild_scan import scan_stores
 from restore.engines.reference import ReferenceModel
+from restore.fsck import fsck
 from restore.pool import PagePool
+from restore.rebuild_scan import scan_stores
 from restore.restore import Restorer
 from restore.write_behind import to_replica_receipt
 from tests.store_wrappers import Delegating
