@@ -389,3 +389,48 @@ def test_an_oversized_descriptor_is_refused_and_stores_nothing(world: World) -> 
     with w.cat.engine.connect() as conn:
         after = conn.execute(sa.select(sa.func.count()).select_from(FingerprintRow)).scalar()
     assert after == before
+
+
+def test_refs_pins_and_replica_writes_cannot_name_bobs_nodes_or_blobs(world: World) -> None:
+    """Every other route that takes a hash or a blob key: refs (create, move), pins, a
+    replica receipt and a verification stamp, each aimed at bob's nodes and keys."""
+    w = world
+    head, key = w.bob_hashes[-1], w.bob_keys[-1]
+    with w.cat.engine.connect() as conn:
+        stamps_before = sorted(
+            conn.execute(sa.select(Replica.blob_key, Replica.last_verified_at)).all()
+        )
+    ref = w.alice.put(
+        f"{API}/{ALICE}/refs/mine", json={"fingerprint": FP.hex, "head_hash": head.hex()}
+    )
+    pin = w.alice.put(f"{API}/{ALICE}/pins/keep", json={"prefix_hash": head.hex()})
+    record = w.post(
+        "replicas",
+        {
+            "blob_key": key,
+            "receipt": {
+                "location": "file:///elsewhere",
+                "tier": "local",
+                "size": 1,
+                "checksum": "blake3:x",
+                "stored_at": datetime.now(UTC).isoformat(),
+            },
+        },
+    )
+    nobody = w.alice.put(
+        f"{API}/{ALICE}/refs/mine", json={"fingerprint": FP.hex, "head_hash": "42" * 32}
+    )
+    assert ref.status_code == pin.status_code == record.status_code == nobody.status_code == 404
+    assert ref.json() == pin.json() == record.json() == nobody.json()
+    verified = w.post("replicas/verified", {"location": w.store.name, "blob_keys": w.bob_keys})
+    assert verified.json() == {"count": 0}
+    with w.cat.engine.connect() as conn:
+        stamps_after = sorted(
+            conn.execute(sa.select(Replica.blob_key, Replica.last_verified_at)).all()
+        )
+    assert stamps_after == stamps_before
+    assert w.cat.replicas_at("file:///elsewhere") == []
+    assert w.cat.list_refs(ALICE) == [] and w.cat.list_pins(ALICE) == []
+    assert [r.name for r in w.cat.list_refs(BOB)] == ["bob-secret-ref"]
+    _nothing_of_bob(w, ref, pin, record, verified)
+    w.bob_restores_exactly()
