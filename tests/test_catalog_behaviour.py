@@ -49,6 +49,9 @@ class Impl:
     cat: CatalogAPI
     # A catalog of the same kind whose server cannot be reached (built when called).
     unreachable: Callable[[], CatalogAPI]
+    # The SQL catalog underneath (itself, or the one the service serves): what GC, which
+    # runs beside the database and not over HTTP, uses.
+    sql: Catalog
 
 
 def _closed_port() -> int:
@@ -77,7 +80,7 @@ def impl(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Impl]:
                 return Catalog.open(f"postgresql+psycopg://kvc@127.0.0.1:{_closed_port()}/kvc")
 
             sql.ensure_namespace(NS, CS)
-            yield Impl(kind, sql, unreachable_sql)
+            yield Impl(kind, sql, unreachable_sql, sql)
             return
         token_hash = hash_token(TOKEN)
         app = create_app(sql, {NS: token_hash, OTHER: token_hash}, max_prompt_tokens=4096)
@@ -91,6 +94,7 @@ def impl(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Impl]:
                     lambda: RemoteCatalog(
                         f"http://127.0.0.1:{_closed_port()}", TOKEN, namespace=NS
                     ),
+                    sql,
                 )
             finally:
                 remote.close()
@@ -251,13 +255,22 @@ def test_gc_marks_refuse_a_publish_relying_on_deleted_bytes(impl: Impl) -> None:
     cat.record_chunks(recs)
     # GC marks a replica `deleting` before it deletes the bytes: a publish reusing
     # them must put them again instead of recording a replica about to vanish.
-    cat.mark_replica(recs[0].blob_key, "file:///store", "deleting", reason="gc", namespace=NS)
+    impl.sql.mark_replica(
+        recs[0].blob_key, "file:///store", "deleting", reason="gc", namespace=NS
+    )
     with pytest.raises(PurgeInProgressError) as err:
         cat.record_chunks(recs[:1])
     assert isinstance(err.value, CatalogConflictError)
     assert not cat.mark_replica(
         recs[0].blob_key, "file:///store", "missing", reason="reader", namespace=NS
     )  # GC owns a replica it is deleting
+    if impl.name.startswith("remote-"):
+        # `deleting` is GC's state: a tenant cannot set it over HTTP (it would block
+        # publishes of the same bytes by every namespace holding them).
+        with pytest.raises(CatalogInputError):
+            cat.mark_replica(
+                recs[1].blob_key, "file:///store", "deleting", reason="x", namespace=NS
+            )
 
 
 # -- refs, pins, demand ------------------------------------------------------------------
