@@ -101,6 +101,11 @@ class Catalog(Namespaces, Publishing, Lookups, Replicas, Names, Lineage):
         self.db.changes.remove(fn)
 
     @property
+    def change_listeners(self) -> tuple[ChangeListener, ...]:
+        """The listeners told of each committed change, in the order they were added."""
+        return self.db.changes.listeners
+
+    @property
     def journal_failures(self) -> int:
         """How many times a change listener (the journal) raised since this catalog was opened."""
         return self.db.changes.failures

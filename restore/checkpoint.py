@@ -30,6 +30,7 @@ from restore.descriptors import store_descriptor
 from restore.destination import KVSnapshot
 from restore.encode import RecordBuffers, check_snapshot_finite, fill_payload
 from restore.errors import CheckpointBusyError, RestoreError
+from restore.journal import ensure_journal
 from restore.pool import PagePool
 from restore.write_behind import (
     DEFAULT_WRITE_BEHIND_BYTES,
@@ -138,6 +139,7 @@ class Checkpointer:
         write_behind_wait_s: float = DEFAULT_WRITE_BEHIND_WAIT_S,
         parallel: int | None = None,
         record_buffer_bytes: int = DEFAULT_RECORD_BUFFER_BYTES,
+        journal: bool = True,
     ) -> None:
         if parallel is not None and (isinstance(parallel, bool) or parallel < 1):
             raise ValueError(f"parallel must be >= 1, got {parallel!r}")
@@ -179,6 +181,8 @@ class Checkpointer:
         self._workers: ThreadPoolExecutor | None = None
         self._buffers = RecordBuffers(record_buffer_bytes)
         self._closed = False
+        if journal:  # the store alone must rebuild the catalog: names go there too
+            ensure_journal(catalog, [s for s in (store, write_behind) if s is not None])
 
     # -- synchronous -----------------------------------------------------------
 

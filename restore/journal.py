@@ -28,6 +28,7 @@ from typing import Any
 
 import blake3
 
+from catalog.base import CatalogAPI
 from catalog.catalog import Catalog
 from catalog.changes import (
     Change,
@@ -301,6 +302,26 @@ def attach_journal(catalog: Catalog, stores: Sequence[ChunkStore]) -> StoreJourn
     return journal
 
 
+def ensure_journal(catalog: CatalogAPI, stores: Sequence[ChunkStore]) -> StoreJournal | None:
+    """Journal `catalog`'s committed refs, pins, quarantines and purges to each of `stores`
+    that no journal of this catalog covers yet; return the journal attached (None if every
+    store was covered already, or for a catalog without change listeners: a `kvc serve`
+    service, which journals to its own stores).
+
+    What every writer (`Checkpointer`, `Session`) calls, so a library user never has to."""
+    add = getattr(catalog, "add_change_listener", None)
+    listeners = getattr(catalog, "change_listeners", None)
+    if add is None or listeners is None:
+        return None
+    covered = {s.name for j in listeners if isinstance(j, StoreJournal) for s in j.stores}
+    missing = [s for s in stores if s.name not in covered]
+    if not missing:
+        return None
+    journal = StoreJournal(missing)
+    add(journal)
+    return journal
+
+
 def resync_journal(
     catalog: Catalog, stores: Sequence[ChunkStore], namespaces: Iterable[str] = ()
 ) -> int:
@@ -543,6 +564,7 @@ __all__ = [
     "StoreJournal",
     "attach_journal",
     "encode_change",
+    "ensure_journal",
     "read_journal",
     "resync_journal",
 ]

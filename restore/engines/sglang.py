@@ -72,11 +72,11 @@ from catalog.models import Shard
 from chunkstore import open_store
 from chunkstore.record import check_finite
 from restore.checkpoint import Checkpointer
+from restore.engines.identity import engine_fingerprint, weights_identity
 from restore.engines.torch_kv import DTYPES, numpy_view
-from restore.engines.weights import weights_identity
 from restore.errors import InputError, RestoreError, UnsupportedModelError
 from restore.restore import Restorer
-from restore.write_behind import write_behind_store
+from restore.session import Session
 
 __all__ = ["KvcHiCacheStorage", "page_symbols"]
 
@@ -180,8 +180,9 @@ class KvcHiCacheStorage(HiCacheStorage):
     `stores` (store URLs: the first receives every page, the first object store
     after it a write-behind copy, all are read), and optionally `namespace`
     (default "sglang"; its chunk size is the page size), `weights_id` (an
-    immutable revision of the weights; default: SGLang's model name, trusted as
-    one) and `execution_variant` (what else changes the KV numbers: attention
+    immutable revision of the weights; without it the model must be a local
+    directory, whose weight files are hashed: a hub name alone is refused, as it
+    does not pin the numbers) and `execution_variant` (what else changes the KV numbers: attention
     backend, GPU). The fingerprint is fixed when SGLang registers its host pool.
     """
 
@@ -215,6 +216,7 @@ class KvcHiCacheStorage(HiCacheStorage):
         self.stores = [open_store(u) for u in store_urls]
         self._places: LRU[str, str] = LRU(1 << 20)  # page key -> previous page key ("" first)
         self.fingerprint: Fingerprint | None = None
+        self.session: Session | None = None  # opened when SGLang registers its host pool
         self._checkpointer: Checkpointer | None = None
         self._restorer: Restorer | None = None
 
@@ -255,40 +257,28 @@ class KvcHiCacheStorage(HiCacheStorage):
         kv_dtype = DTYPES[buffer.dtype]
         full = AttentionLayout(layers, heads * cfg.tp_size, dim, kv_dtype)
         shard = Shard(0, layers, heads * cfg.tp_rank, heads * (cfg.tp_rank + 1))
-        self.fingerprint = Fingerprint.create(
+        self.fingerprint = engine_fingerprint(
+            engine="sglang",
             weights=self.weights,
             architecture="sglang",
             config={"model_name": cfg.model_name, "tp_size": cfg.tp_size},
-            attention_layout=full,
-            execution_variant=";".join(
-                f"{k}={v}"
-                for k, v in sorted(
-                    {
-                        "engine": "sglang",
-                        "sglang": sglang.__version__,
-                        "torch": torch.__version__,
-                        "kv": kv_dtype,
-                        "variant": self.variant,
-                    }.items()
-                )
-            ),
+            layout=full,
+            execution={
+                "sglang": sglang.__version__,
+                "torch": torch.__version__,
+                "kv": kv_dtype,
+                "variant": self.variant,
+            },
         )
         self.host_layout: str = host_layout
         self.page_size = p
         self.layout = AttentionLayout(layers, heads, dim, kv_dtype)
         self.shard = shard
-        self._checkpointer = Checkpointer(
-            self.catalog,
-            self.stores[0],
-            self.namespace,
-            p,
-            write_behind=write_behind_store(self.stores[1:]),
-            shard=shard,
-            actor=self.actor,
+        self.session = Session(
+            self.catalog, self.stores, self.namespace, p, shard=shard, actor=self.actor
         )
-        self._restorer = Restorer(
-            self.catalog, self.stores, self.namespace, shard=shard, actor=self.actor
-        )
+        self._checkpointer = self.session.checkpointer
+        self._restorer = self.session.restorer
         log.info(
             "kvc HiCache storage: namespace %s, fingerprint %s, shard %s",
             self.namespace,
@@ -395,12 +385,14 @@ class KvcHiCacheStorage(HiCacheStorage):
         return self.batch_exists([key], HiCacheStorageExtraInfo(prefix_keys=prefix)) == 1
 
     def close(self) -> None:
-        """Finish write-behind uploads, stop the workers, release the catalog."""
-        if self._checkpointer is not None:
-            self._checkpointer.close()
-        if self._restorer is not None:
-            self._restorer.close()
-        self.catalog.close()
+        """Finish write-behind uploads, stop the workers, release the stores and the catalog."""
+        try:
+            if self.session is not None:
+                self.session.close()
+        finally:
+            for store in self.stores:
+                store.close()
+            self.catalog.close()
 
     # -- internals -----------------------------------------------------------------
 

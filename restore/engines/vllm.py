@@ -52,15 +52,13 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from catalog import AttentionLayout, Fingerprint
 from catalog.base import CatalogAPI
-from catalog.connect import connect
 from catalog.models import Shard
-from chunkstore import open_store
 from restore.checkpoint import Checkpointer
-from restore.engines.hf.identity import NOT_NUMERIC, json_safe
+from restore.engines.identity import engine_fingerprint, numeric_config, weights_identity
 from restore.engines.torch_kv import DTYPES, numpy_view, torch_dtype
-from restore.engines.weights import weights_identity
 from restore.errors import InputError, UnsupportedModelError
 from restore.restore import Restorer
+from restore.session import Session
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -147,26 +145,23 @@ def vllm_fingerprint(vllm_config: VllmConfig, weights_id: str | None = None) -> 
     layout, and how vLLM runs it (vLLM and torch versions, dtypes, attention backend, device)."""
     model = vllm_config.model_config
     layout = vllm_layout(vllm_config)
-    config = model.hf_text_config.to_dict()
-    config = {k: v for k, v in config.items() if k not in NOT_NUMERIC}
     attention = getattr(vllm_config, "attention_config", None)
     backend = getattr(attention, "backend", None)
-    variant = {
-        "engine": "vllm",
-        "vllm": vllm.__version__,
-        "torch": torch.__version__,
-        "dtype": str(model.dtype).removeprefix("torch."),
-        "kv": layout.dtype,
-        "attn": str(backend) if backend is not None else "auto",
-        "device": vllm_config.device_config.device_type,
-        "tp": vllm_config.parallel_config.tensor_parallel_size,
-    }
-    return Fingerprint.create(
+    return engine_fingerprint(
+        engine="vllm",
         weights=weights_identity(model.model, weights_id),
         architecture=",".join(model.architectures or []) or type(model.hf_config).__name__,
-        config=json_safe(config),
-        attention_layout=layout,
-        execution_variant=";".join(f"{k}={v}" for k, v in sorted(variant.items())),
+        config=numeric_config(model.hf_text_config.to_dict()),
+        layout=layout,
+        execution={
+            "vllm": vllm.__version__,
+            "torch": torch.__version__,
+            "dtype": str(model.dtype).removeprefix("torch."),
+            "kv": layout.dtype,
+            "attn": str(backend) if backend is not None else "auto",
+            "device": vllm_config.device_config.device_type,
+            "tp": vllm_config.parallel_config.tensor_parallel_size,
+        },
     )
 
 
@@ -310,10 +305,7 @@ class KvcConnector(KVConnectorBase_V1):
         world = vllm_config.parallel_config.tensor_parallel_size
         rank = vllm_config.parallel_config.rank if role == KVConnectorRole.WORKER else 0
         self.shard = rank_shard(self.layout, rank % world, world)
-        self.catalog: CatalogAPI = connect(
-            str(_config_get(extra, "catalog")), token=extra.get("token"), namespace=self._namespace
-        )
-        self._stores = [open_store(str(url)) for url in stores]
+        catalog_url = str(_config_get(extra, "catalog"))
         # Scheduler state.
         self._offered: dict[str, tuple[int, int]] = {}  # req id -> (computed, end) offered
         self._loads: dict[str, tuple[int, int]] = {}  # req id -> (start, end) after alloc
@@ -323,13 +315,24 @@ class KvcConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._saved: set[str] = set()
         self._lock = threading.Lock()
+        # One session per process: the scheduler uses its catalog, a worker its pipelines
+        # (the first store receives every save, the first object store after it a
+        # write-behind copy, every store is read; names are journaled to the stores).
+        self.session = Session(
+            catalog_url,
+            [str(url) for url in stores],
+            self._namespace,
+            chunk_size,
+            shard=self.shard,
+            token=extra.get("token"),
+            actor=f"vllm:rank{rank}",
+        )
+        self.catalog: CatalogAPI = self.session.catalog
         self.restorer: Restorer | None = None
         self.checkpointer: Checkpointer | None = None
         if role == KVConnectorRole.WORKER:
-            self.restorer = Restorer(self.catalog, self._stores, self._namespace, shard=self.shard)
-            self.checkpointer = Checkpointer(
-                self.catalog, self._stores[0], self._namespace, chunk_size, shard=self.shard
-            )
+            self.restorer = self.session.restorer
+            self.checkpointer = self.session.checkpointer
 
     # ---- scheduler side ------------------------------------------------
 
@@ -487,13 +490,7 @@ class KvcConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self) -> None:
-        if self.checkpointer is not None:
-            self.checkpointer.close()
-        if self.restorer is not None:
-            self.restorer.close()
-        for store in self._stores:
-            store.close()
-        self.catalog.close()
+        self.session.close()
 
 
 def _layer_index(name: str) -> int:

@@ -30,7 +30,7 @@ from restore.engines.hf.adapter import HFAdapter
 from restore.engines.hf.identity import (
     check_cache,
     check_supported,
-    execution_variant,
+    execution,
     model_fingerprint,
     model_layout,
     token_ids,
@@ -52,7 +52,7 @@ __all__ = [
     "cache_kwarg",
     "check_cache",
     "check_supported",
-    "execution_variant",
+    "execution",
     "greedy",
     "load_model",
     "model_fingerprint",

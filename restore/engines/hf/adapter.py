@@ -21,7 +21,8 @@ from restore.engines.hf.cache import CacheDestination, CacheSnapshot
 from restore.engines.hf.identity import check_cache, model_fingerprint, token_ids
 from restore.errors import InputError
 from restore.restore import Restorer, RestoreResult
-from restore.write_behind import DEFAULT_WRITE_BEHIND_BYTES, write_behind_store
+from restore.session import Session
+from restore.write_behind import DEFAULT_WRITE_BEHIND_BYTES
 
 __all__ = ["HFAdapter"]
 
@@ -75,26 +76,21 @@ class HFAdapter:
             full.head_dim,
             full.dtype,
         )
-        self.checkpointer = Checkpointer(
+        self.session = Session(
             catalog,
-            stores[0],
+            stores,
             namespace,
             chunk_size,
-            write_behind=write_behind_store(stores[1:]),
             shard=shard,
             codec=codec,
             actor=actor,
             write_behind_bytes=write_behind_bytes,
-        )
-        self.restorer = Restorer(
-            catalog,
-            stores,
-            namespace,
-            shard=shard,
             max_parallel=max_parallel,
             byte_budget=byte_budget,
-            actor=actor,
         )
+        assert self.session.checkpointer is not None and self.session.restorer is not None
+        self.checkpointer: Checkpointer = self.session.checkpointer
+        self.restorer: Restorer = self.session.restorer
         self.last_restore: RestoreResult | None = None
 
     def restore(
@@ -172,8 +168,7 @@ class HFAdapter:
 
     def close(self) -> None:
         """Finish queued checkpoints and write-behind uploads, then stop the workers."""
-        self.checkpointer.close()
-        self.restorer.close()
+        self.session.close()
 
     def __enter__(self) -> HFAdapter:
         return self

@@ -13,38 +13,9 @@ from transformers.cache_utils import DynamicLayer
 
 from catalog import AttentionLayout, Fingerprint
 from catalog.identity import canonical_json, token_array
+from restore.engines.identity import engine_fingerprint, numeric_config, revision_identity
 from restore.engines.torch_kv import DTYPES
 from restore.errors import InputError, UnsupportedModelError
-
-# Config fields that never change a K/V value: names, paths, versions, labels,
-# token ids and output switches. Everything else is part of the fingerprint, so
-# a field this list does not know costs at most a cache miss, never a wrong hit.
-# (The model's dtype is in the execution variant as the KV dtype.)
-NOT_NUMERIC = frozenset(
-    {
-        "_name_or_path",
-        "_commit_hash",
-        "architectures",
-        "transformers_version",
-        "dtype",
-        "torch_dtype",
-        "use_cache",
-        "return_dict",
-        "output_attentions",
-        "output_hidden_states",
-        "id2label",
-        "label2id",
-        "problem_type",
-        "bos_token_id",
-        "eos_token_id",
-        "pad_token_id",
-        "sep_token_id",
-        "decoder_start_token_id",
-        "tokenizer_class",
-        "task_specific_params",
-        "finetuning_task",
-    }
-)
 
 
 def text_config(model: PreTrainedModel) -> Any:
@@ -137,11 +108,10 @@ def weights_digest(model: PreTrainedModel) -> str:
     return h.hexdigest()
 
 
-def execution_variant(model: PreTrainedModel) -> str:
+def execution(model: PreTrainedModel) -> dict[str, object]:
     """Everything about how the model runs that can change its K/V numbers."""
     device = model.device
     parts: dict[str, object] = {
-        "engine": "transformers",
         "attn": getattr(model.config, "_attn_implementation", None) or "default",
         "kv": DTYPES[model.dtype],
         "device": device.type,
@@ -154,7 +124,7 @@ def execution_variant(model: PreTrainedModel) -> str:
         parts["tf32"] = torch.backends.cuda.matmul.allow_tf32
     elif device.type == "cpu":
         parts["cpu"] = torch.backends.cpu.get_cpu_capability()
-    return ";".join(f"{k}={v}" for k, v in sorted(parts.items()))
+    return parts
 
 
 def model_fingerprint(model: PreTrainedModel, *, weights_id: str | None = None) -> Fingerprint:
@@ -164,32 +134,19 @@ def model_fingerprint(model: PreTrainedModel, *, weights_id: str | None = None) 
     caller vouches for (a hub commit hash, a release tag that is never moved).
     """
     check_supported(model)
-    config = text_config(model).to_dict()
-    config = {k: v for k, v in config.items() if k not in NOT_NUMERIC}
-    if weights_id is not None:
-        if not isinstance(weights_id, str) or not weights_id.strip():
-            raise InputError("weights_id must be a non-empty string (an immutable revision id)")
-        weights = f"revision:{weights_id}"
-    else:
-        weights = f"blake3:{weights_digest(model)}"
-    return Fingerprint.create(
+    weights = (
+        f"blake3:{weights_digest(model)}"
+        if weights_id is None
+        else revision_identity(weights_id)
+    )
+    return engine_fingerprint(
+        engine="transformers",
         weights=weights,
         architecture=type(model).__name__,
-        config=json_safe(config),
-        attention_layout=model_layout(model),
-        execution_variant=execution_variant(model),
+        config=numeric_config(text_config(model).to_dict()),
+        layout=model_layout(model),
+        execution=execution(model),
     )
-
-
-def json_safe(value: Any) -> Any:
-    """Config values as JSON data (dtypes and other objects by their string)."""
-    if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [json_safe(v) for v in value]
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    return str(value)
 
 
 def token_ids(ids: object, what: str = "input_ids") -> np.ndarray[Any, np.dtype[np.uint32]]:
