@@ -44,7 +44,6 @@ from kvc.daemon_wire import (
     RouteRequest,
     field_name,
 )
-from restore.checkpoint import Checkpointer
 from restore.engines.reference import ReferenceModel
 from restore.errors import (
     CheckpointBusyError,
@@ -55,9 +54,9 @@ from restore.errors import (
 from restore.planner import Planner
 from restore.pool import PagePool
 from restore.residency import DEFAULT_DEMAND_TTL_S, Residency, timer_interval
-from restore.restore import Restorer
 from restore.reuse import reuse_prefix
-from restore.write_behind import DEFAULT_WRITE_BEHIND_BYTES, write_behind_store
+from restore.session import Session
+from restore.write_behind import DEFAULT_WRITE_BEHIND_BYTES
 
 __all__ = ["Daemon", "create_daemon_app"]
 
@@ -121,18 +120,17 @@ class Daemon:
         self.namespace = namespace
         self.page_size = page_size
         self.max_pool_bytes = max_pool_bytes
-        wb = write_behind_store(stores[1:])
-        self._checkpointer = Checkpointer(
+        self._session = Session(
             catalog,
-            stores[0],
+            stores,
             namespace,
             chunk_size,
-            write_behind=wb,
             actor=self.location,
             write_behind_bytes=write_behind_bytes,
         )
-        self.chunk_size = self._checkpointer.chunk_size
-        self._restorer = Restorer(catalog, stores, namespace, actor=self.location)
+        self._checkpointer = self._session.checkpointer
+        self._restorer = self._session.restorer
+        self.chunk_size = self._session.chunk_size
         self._residency = Residency(
             catalog,
             worker_id=worker_id,
@@ -198,8 +196,7 @@ class Daemon:
         try:
             self.reconcile()
         finally:
-            self._checkpointer.close()
-            self._restorer.close()
+            self._session.close()
 
     def __enter__(self) -> Daemon:
         return self

@@ -15,11 +15,9 @@ import numpy as np
 from catalog import Catalog, RefConflictError
 from catalog.base import CatalogAPI
 from chunkstore import ChunkStore
-from restore.checkpoint import Checkpointer
 from restore.engines.reference import ReferenceModel
 from restore.pool import PagePool
-from restore.restore import Restorer
-from restore.write_behind import write_behind_store
+from restore.session import Session
 
 
 @dataclass
@@ -105,14 +103,9 @@ class _ReferenceEngine:
         self.pool = PagePool(
             self.model.layout, page_size=page_size, num_pages=3 * max_tokens // page_size
         )
-        self.checkpointer = Checkpointer(
-            catalog,
-            stores[0],
-            namespace,
-            chunk_size=chunk_size,
-            write_behind=write_behind_store(stores[1:]),
-        )
-        self.restorer = Restorer(catalog, stores, namespace)
+        self.session = Session(catalog, stores, namespace, chunk_size)
+        self.checkpointer = self.session.checkpointer
+        self.restorer = self.session.restorer
         self._straight: dict[tuple[int, ...], _Run] = {}
 
     def _decode(
@@ -161,8 +154,7 @@ class _ReferenceEngine:
         return (run.tokens, run.logits) == (want.tokens, want.logits)
 
     def close(self) -> None:
-        self.checkpointer.close()
-        self.restorer.close()
+        self.session.close()
 
 
 class _HFEngine:

@@ -12,6 +12,7 @@ always rebuilds the catalog) unless the caller gives that up by name (`journal=F
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ from catalog.models import Shard
 from chunkstore import ChunkStore, open_store
 from chunkstore.codecs import DEFAULT_CODEC
 from restore.checkpoint import Checkpointer
-from restore.errors import InputError
+from restore.errors import InputError, RestoreError
 from restore.journal import StoreJournal, ensure_journal
 from restore.restore import Restorer
 from restore.write_behind import DEFAULT_WRITE_BEHIND_BYTES, write_behind_store
@@ -37,7 +38,7 @@ class Session:
 
     What the session opens from a URL it closes; objects handed to it stay the caller's.
     `checkpointer` publishes into `stores[0]` (write-behind to the first object store after
-    it) and `restorer` reads every store. `journal=False` gives up recovery: refs, pins,
+    it) and `restorer` reads every store; both are made on first use. `journal=False` gives up recovery: refs, pins,
     quarantines and purges made through this catalog are then not in the stores, and a
     catalog rebuilt from them (`kvc rebuild`) lacks them.
     """
@@ -63,12 +64,26 @@ class Session:
         if isinstance(stores, str | ChunkStore) or not stores:
             raise InputError("a session needs a list of at least one store (objects or URLs)")
         self.namespace = namespace
+        self.chunk_size = chunk_size
+        self.shard = shard
         self.actor = actor
+        self._checkpointer_options: dict[str, Any] = {
+            "codec": codec,
+            "write_behind_bytes": write_behind_bytes,
+            **(checkpointer_options or {}),
+        }
+        self._restorer_options: dict[str, Any] = {
+            "max_parallel": max_parallel,
+            "byte_budget": byte_budget,
+            **(restorer_options or {}),
+        }
         self._owned_stores: list[ChunkStore] = []
         self._owned_catalog: CatalogAPI | None = None
         self._journal: StoreJournal | None = None
-        self.checkpointer: Checkpointer | None = None
-        self.restorer: Restorer | None = None
+        self._checkpointer: Checkpointer | None = None
+        self._restorer: Restorer | None = None
+        self._lock = threading.Lock()
+        self._closed = False
         try:
             self.stores: list[ChunkStore] = [self._store(s) for s in stores]
             if isinstance(catalog, str):
@@ -78,33 +93,47 @@ class Session:
                 self.catalog = catalog
             if journal:
                 self._journal = ensure_journal(self.catalog, self.stores)
-            self.checkpointer = Checkpointer(
-                self.catalog,
-                self.stores[0],
-                namespace,
-                chunk_size,
-                write_behind=write_behind_store(self.stores[1:]),
-                shard=shard,
-                codec=codec,
-                actor=actor,
-                write_behind_bytes=write_behind_bytes,
-                journal=False,  # attached above, for every store of the session
-                **(checkpointer_options or {}),
-            )
-            self.restorer = Restorer(
-                self.catalog,
-                self.stores,
-                namespace,
-                shard=shard,
-                max_parallel=max_parallel,
-                byte_budget=byte_budget,
-                actor=actor,
-                **(restorer_options or {}),
-            )
         except BaseException:
             self.close()
             raise
-        self.chunk_size = self.checkpointer.chunk_size
+
+    @property
+    def checkpointer(self) -> Checkpointer:
+        """The session's one Checkpointer (made on first use: a process that only looks up,
+        like vLLM's scheduler, never starts its workers)."""
+        with self._lock:
+            if self._closed:
+                raise RestoreError("the session is closed")
+            if self._checkpointer is None:
+                self._checkpointer = Checkpointer(
+                    self.catalog,
+                    self.stores[0],
+                    self.namespace,
+                    self.chunk_size,
+                    write_behind=write_behind_store(self.stores[1:]),
+                    shard=self.shard,
+                    actor=self.actor,
+                    journal=False,  # the session journals every store it has
+                    **self._checkpointer_options,
+                )
+            return self._checkpointer
+
+    @property
+    def restorer(self) -> Restorer:
+        """The session's one Restorer over every store (made on first use)."""
+        with self._lock:
+            if self._closed:
+                raise RestoreError("the session is closed")
+            if self._restorer is None:
+                self._restorer = Restorer(
+                    self.catalog,
+                    self.stores,
+                    self.namespace,
+                    shard=self.shard,
+                    actor=self.actor,
+                    **self._restorer_options,
+                )
+            return self._restorer
 
     def _store(self, store: ChunkStore | str) -> ChunkStore:
         if isinstance(store, ChunkStore):
@@ -121,12 +150,17 @@ class Session:
     def close(self) -> None:
         """Finish queued checkpoints and write-behind uploads (they need the catalog and the
         stores), stop the restore workers, then close what the session opened."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            checkpointer, restorer = self._checkpointer, self._restorer
         try:
-            if self.checkpointer is not None:
-                self.checkpointer.close()
+            if checkpointer is not None:
+                checkpointer.close()
         finally:
-            if self.restorer is not None:
-                self.restorer.close()
+            if restorer is not None:
+                restorer.close()
             if self._journal is not None and self._owned_stores:
                 # Its stores close now: later changes through a catalog the caller keeps
                 # cannot reach them (a catalog the session opened closes too).

@@ -88,7 +88,6 @@ class HFAdapter:
             max_parallel=max_parallel,
             byte_budget=byte_budget,
         )
-        assert self.session.checkpointer is not None and self.session.restorer is not None
         self.checkpointer: Checkpointer = self.session.checkpointer
         self.restorer: Restorer = self.session.restorer
         self.last_restore: RestoreResult | None = None
