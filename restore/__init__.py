@@ -7,6 +7,7 @@ from restore.errors import CheckpointBusyError, PoolExhaustedError, RestoreError
 from restore.planner import Decision, Planner
 from restore.pool import Lease, PagePool
 from restore.restore import Restorer, RestoreReport, RestoreResult
+from restore.session import Session
 
 __all__ = [
     "CheckpointBusyError",
@@ -21,5 +22,6 @@ __all__ = [
     "RestoreReport",
     "RestoreResult",
     "Restorer",
+    "Session",
     "UnknownRouteError",
 ]

@@ -38,6 +38,7 @@ from restore.engines.hf import (
 )
 from restore.errors import InputError, UnsupportedModelError
 from tests.hf_worker import CONFIGS, cache_digests, generate, load, prefill
+from tests.rebuild_helpers import kvc_rebuild, lose_catalog, names
 from tests.services import serve_in_thread
 from tests.store_wrappers import Delegating
 from tests.test_token_exact import corrupt
@@ -557,3 +558,36 @@ def llama_cache(model: PreTrainedModel) -> Any:
     from transformers import DynamicCache
 
     return DynamicCache(config=model.config)
+
+
+def test_the_catalog_comes_back_from_the_store_alone_names_included(
+    llama: PreTrainedModel, tmp_path: Path
+) -> None:
+    """The adapter journals by default: the name given to `checkpoint`, a pin and a deleted
+    ref made through its catalog survive losing the catalog (`kvc rebuild --from` the store);
+    a new adapter on the rebuilt catalog restores the cut cache bit for bit."""
+    url, store_url = f"sqlite:///{tmp_path / 'catalog.db'}", f"file://{tmp_path / 'blobs'}"
+    p = prompt(64)
+    original = prefill(llama, p)
+    cat = Catalog.open(url, upgrade=True)
+    store = open_store(store_url)
+    with HFAdapter(llama, cat, [store], chunk_size=CHUNK) as kv:
+        kv.checkpoint(p, original, name="chat")
+        head = cat.get_ref("default", "chat")
+        cat.pin("default", "system", head.head_hash)
+        cat.create_ref("default", "draft", head.fingerprint, head.head_hash)
+        cat.delete_ref("default", "draft")
+    store.close()
+    cat.close()
+    before = names(url, "default")
+    assert set(before[0]) == {"chat"} and set(before[1]) == {"system"}
+    lose_catalog(url)
+    assert kvc_rebuild(url, [store_url])["complete"]
+    assert names(url, "default") == before
+    cat = Catalog.open(url)
+    store = open_store(store_url)
+    with HFAdapter(llama, cat, [store], chunk_size=CHUNK) as kv:
+        cache, n = kv.restore([*p, 1])
+    store.close()
+    cat.close()
+    assert n == 64 and same_kv(cache, original)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.rebuild_helpers import kvc_rebuild, lose_catalog, names
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
@@ -46,3 +48,38 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert commands[0] == "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/kvc demo"
     ci = (README.parent / ".ci" / "run").read_text()
     assert commands[1] in ci
+
+
+# What a user does next with the example's catalog: pin the system prompt, name a draft and
+# delete it, through a session (nothing about journals). Then the catalog is lost.
+AFTER = """
+from pathlib import Path
+from catalog import Catalog
+from restore import Session
+home = Path("kvc-example").resolve()
+catalog = Catalog.open(f"sqlite:///{home / 'catalog.db'}")
+with Session(catalog, [f"file://{home / 'blobs'}"]) as kvc:
+    head = catalog.get_ref("default", "system-v1")
+    catalog.pin("default", "system", head.head_hash, reason="the shared prompt")
+    catalog.create_ref("default", "draft", head.fingerprint, head.head_hash)
+    catalog.delete_ref("default", "draft")
+catalog.close()
+"""
+
+
+def test_the_readme_examples_catalog_comes_back_from_its_store_alone(tmp_path: Path) -> None:
+    assert _run(BLOCKS[0], tmp_path).returncode == 0
+    after = _run(AFTER, tmp_path)
+    assert after.returncode == 0, after.stderr
+    home = tmp_path / "kvc-example"
+    url = f"sqlite:///{home / 'catalog.db'}"
+    refs_before, pins_before = names(url, "default")
+    assert set(refs_before) == {"system-v1"} and set(pins_before) == {"system"}
+    lose_catalog(url)
+    report = kvc_rebuild(url, [f"file://{home / 'blobs'}"])
+    assert report["complete"], report
+    # Every name is back (the deleted draft stays deleted), and a new process restores.
+    assert names(url, "default") == (refs_before, pins_before)
+    again = _run(BLOCKS[0], tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "restored 600 of 640 tokens, verified" in again.stdout

@@ -25,6 +25,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
 from catalog import Catalog, prefix_hashes
 from restore.engines.sglang import KvcHiCacheStorage, page_symbols
 from restore.errors import InputError, UnsupportedModelError
+from tests.rebuild_helpers import kvc_rebuild, lose_catalog, names
 from tests.sglang_worker import HostPool, open_backend
 
 NS = "sglang-test"
@@ -263,3 +264,38 @@ def test_tensor_parallel_ranks_are_shards_of_one_fingerprint(env: dict[str, Any]
     cat = Catalog.open(env["catalog"])
     assert cat.namespace_chunk_size(NS) == P
     cat.close()
+
+
+def test_the_catalog_comes_back_from_the_store_alone_names_included(
+    env: dict[str, Any], tmp_path: Path
+) -> None:
+    """The backend journals by default: a pin and refs made through its catalog and a deleted
+    ref survive losing the catalog (`kvc rebuild --from` the store); a new process hits."""
+    pool = HostPool("page_first")
+    kv = open_backend(env, pool)
+    keys = keys_for("rebuilt", 4)
+    fill(pool, 0, 4, seed=9)
+    want = [page_bytes(pool, j * P).hex() for j in range(4)]
+    assert kv.batch_set_v1(keys, slots(0, 4), info([])) == [True] * 4
+    assert kv.fingerprint is not None
+    head = prefix_hashes(NS, page_symbols(keys, P), P)[-1]
+    kv.catalog.create_ref(NS, "conversation", kv.fingerprint, head)
+    kv.catalog.create_ref(NS, "draft", kv.fingerprint, head)
+    kv.catalog.delete_ref(NS, "draft")
+    kv.catalog.pin(NS, "system", head)
+    kv.close()
+    before = names(env["catalog"], NS)
+    assert set(before[0]) == {"conversation"} and set(before[1]) == {"system"}
+    lose_catalog(env["catalog"])
+    assert kvc_rebuild(env["catalog"], env["stores"])["complete"]
+    assert names(env["catalog"], NS) == before
+    args = json.dumps({"layout": "page_first", "extra": env, "keys": keys})
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.sglang_worker", args],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"hits": 4, "loaded": [True] * 4, "pages": want}

@@ -47,6 +47,7 @@ from restore.engines.vllm import (  # noqa: E402
     SaveSpec,
 )
 from restore.errors import InputError, UnsupportedModelError  # noqa: E402
+from tests.rebuild_helpers import kvc_rebuild, lose_catalog, names  # noqa: E402
 from tests.services import serve_in_thread  # noqa: E402
 
 BLOCK = 16
@@ -443,3 +444,53 @@ def test_a_kvc_service_without_a_token_is_refused(model_dir: Path, tmp_path: Pat
     config = vllm_config(model_dir, tmp_path, catalog="http://127.0.0.1:9")
     with pytest.raises(CatalogInputError, match="bearer token"):
         KvcConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+
+
+def test_the_catalog_comes_back_from_the_store_alone_names_included(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """The connector journals by default: a pin and refs made through its catalog, a deleted
+    ref, then the catalog lost, `kvc rebuild --from` the store, and a new connector loads."""
+    config = vllm_config(model_dir, tmp_path)
+    src = kv_caches(fill=True)
+    tokens = list(range(1, 161))
+    w = worker(config, src)
+    save(w, tokens, list(range(3, 13)))
+    head = w.catalog.lookup("vllm", w.fingerprint.hex, [*tokens, 0], shard=w.shard).chunks[-1]
+    w.catalog.create_ref("vllm", "chat", w.fingerprint, head.prefix_hash)
+    w.catalog.create_ref("vllm", "draft", w.fingerprint, head.prefix_hash)
+    w.catalog.delete_ref("vllm", "draft")
+    w.catalog.pin("vllm", "system", head.prefix_hash)
+    w.shutdown()
+    url = f"sqlite:///{tmp_path / 'catalog.db'}"
+    before = names(url, "vllm")
+    assert set(before[0]) == {"chat"} and set(before[1]) == {"system"}
+    lose_catalog(url)
+    assert kvc_rebuild(url, [f"file://{tmp_path / 'blobs'}"])["complete"]
+    assert names(url, "vllm") == before
+    dst = kv_caches(fill=False)
+    r = worker(config, dst)
+    run_step(r, KvcConnectorMetadata(loads=[LoadSpec("r1", (*tokens, 7), tuple(range(40, 50)), 0, 160)]))
+    assert r.get_block_ids_with_load_errors() == set()
+    for a, b in zip(positions(src, list(range(3, 13)), 160), positions(dst, list(range(40, 50)), 160), strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    r.shutdown()
+
+
+def test_the_second_store_gets_a_write_behind_copy(
+    model_dir: Path, tmp_path: Path, s3_url: str
+) -> None:
+    """docs/engines.md's [file, s3] configuration: every save reaches the object store too,
+    catalogued as a replica there once its receipt is in."""
+    config = vllm_config(model_dir, tmp_path, stores=[f"file://{tmp_path / 'blobs'}", s3_url])
+    w = worker(config, kv_caches(fill=True))
+    save(w, list(range(1, 161)), list(range(3, 13)))
+    keys = [c.blob_key for c in w.catalog.lookup("vllm", w.fingerprint.hex, [*range(1, 161), 0], shard=w.shard).chunks]
+    w.shutdown()
+    s3 = open_store(s3_url)
+    try:
+        assert len(keys) == 3 and all(s3.exists(k) for k in keys)
+        with Catalog.open(f"sqlite:///{tmp_path / 'catalog.db'}") as cat:
+            assert set(cat.replicas_at(s3.name, namespace="vllm")) >= set(keys)
+    finally:
+        s3.close()
