@@ -6,7 +6,6 @@ import functools
 import logging
 import math
 import os
-import queue
 import threading
 import time
 from collections import Counter
@@ -26,10 +25,11 @@ from catalog.models import ChunkRecord, Shard
 from chunkstore import ChunkStore
 from chunkstore.codecs import DEFAULT_CODEC
 from chunkstore.record import ChunkHeader, RawRecord, encode_chunk
+from restore.capture import Capture, CaptureQueue
 from restore.descriptors import store_descriptor
 from restore.destination import KVSnapshot
 from restore.encode import RecordBuffers, check_snapshot_finite, fill_payload
-from restore.errors import CheckpointBusyError, RestoreError
+from restore.errors import RestoreError
 from restore.journal import ensure_journal
 from restore.pool import PagePool
 from restore.write_behind import (
@@ -80,19 +80,6 @@ def finish_record(
     return rec.finish(buf, threads=threads)
 
 
-@dataclass
-class _Job:
-    snapshot: KVSnapshot
-    release: Callable[[], None]
-    tokens: np.ndarray[Any, Any]
-    fingerprint: Fingerprint
-    name: str | None
-    pending: int | None
-    nbytes: int
-    future: Future[CheckpointResult]
-    speculative: bool
-
-
 class Checkpointer:
     """Publishes routes as durable chunks: bytes first (with receipts), catalog second.
 
@@ -107,6 +94,11 @@ class Checkpointer:
     `write_behind_wait_s` for room, then raises `CheckpointBusyError`.
     A worker that owns a slab of the model passes `shard`: its pool then holds
     only those layers and kv heads, and only that slab is published.
+
+    `submit` and `submit_snapshot` hand captures to a `CaptureQueue`
+    (restore/capture.py): at most `max_queue` at once, pinning at most
+    `staging_bytes` of KV. `dropped` counts by reason what that queue and
+    write-behind (restore/write_behind.py) did not do.
 
     Every store a blob goes to also gets the blob's fingerprint descriptor (the
     document `fingerprints/<hex>`, restore/descriptors.py), written before the
@@ -157,14 +149,10 @@ class Checkpointer:
             raise RestoreError(
                 f"namespace {namespace!r} uses chunk size {self.chunk_size}, not {chunk_size}"
             )
-        self.dropped: Counter[str] = Counter()
-        self._max_queue = max_queue
-        self._staging_budget = staging_bytes
-        self._staged = 0
         self._lock = threading.Lock()
-        self._queue: queue.Queue[_Job | None] = queue.Queue()
-        self._queued = 0
-        self._worker: threading.Thread | None = None
+        self._capture = CaptureQueue(
+            self._publish_capture, max_queue=max_queue, staging_bytes=staging_bytes
+        )
         self._wb = WriteBehind(
             write_behind,
             catalog,
@@ -172,8 +160,6 @@ class Checkpointer:
             actor=actor,
             budget=write_behind_bytes,
             wait_s=write_behind_wait_s,
-            dropped=self.dropped,
-            lock=self._lock,
             describe=self._describe,
         )
         self._described: set[tuple[str, str]] = set()  # (store name, fingerprint hex) written
@@ -554,79 +540,31 @@ class Checkpointer:
             if release is not None:
                 release()
             raise
-        nbytes = len(tok) * snapshot.layout.bytes_per_token
-        with self._lock:
-            reason = None
-            if self._queued >= self._max_queue:
-                reason = "queue_full"
-            elif self._staged + nbytes > self._staging_budget:
-                reason = "staging_budget"
-            if reason is not None:
-                if release is not None:
-                    release()
-                if speculative:
-                    self.dropped[reason] += 1
-                    return None
-                raise CheckpointBusyError(
-                    f"checkpoint queue busy ({reason}: {self._queued} queued, "
-                    f"{self._staged} of {self._staging_budget} staging bytes in use)"
-                )
-            self._queued += 1
-            self._staged += nbytes
-            if self._worker is None:
-                self._worker = threading.Thread(
-                    target=self._run, name="kvc-checkpoint", daemon=True
-                )
-                self._worker.start()
-        fut: Future[CheckpointResult] = Future()
-        self._queue.put(
-            _Job(
-                snapshot,
-                release or _nothing,
-                tok,
-                fingerprint,
-                name,
-                pending,
-                nbytes,
-                fut,
-                speculative,
-            )
-        )
-        return fut
+        capture = Capture(snapshot, tok, fingerprint, name, pending, speculative)
+        return self._capture.submit(capture, release or _nothing)
 
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            try:
-                shard = self.shard or Shard.full(job.fingerprint.layout)
-                result = self._publish(
-                    job.snapshot,
-                    job.tokens,
-                    job.fingerprint,
-                    shard,
-                    job.name,
-                    job.pending,
-                    speculative=job.speculative,
-                )
-                job.future.set_result(result)
-            except BaseException as exc:  # reported through the future, never lost
-                job.future.set_exception(exc)
-            finally:
-                job.release()
-                with self._lock:
-                    self._queued -= 1
-                    self._staged -= job.nbytes
+    def _publish_capture(self, c: Capture) -> CheckpointResult:
+        """Publish a queued capture (on the capture queue's worker)."""
+        shard = self.shard or Shard.full(c.fingerprint.layout)
+        return self._publish(
+            c.snapshot, c.tokens, c.fingerprint, shard, c.name, c.pending, speculative=c.speculative
+        )
+
+    @property
+    def dropped(self) -> Counter[str]:
+        """Work not done, by reason: speculative captures dropped by the capture queue
+        (`queue_full`, `staging_budget`) and object-store copies not made by
+        write-behind (`write_behind_budget`, `write_behind_failed`, ...). A copy."""
+        dropped = self._capture.dropped
+        dropped.update(self._wb.dropped)
+        return dropped
 
     def close(self) -> None:
         """Drain queued checkpoints and write-behind uploads, then stop the workers."""
         if self._closed:
             return
         self._closed = True
-        if self._worker is not None:
-            self._queue.put(None)
-            self._worker.join()
+        self._capture.close()
         self._wb.close()
         if self._workers is not None:
             self._workers.shutdown(wait=True)

@@ -51,9 +51,9 @@ class WriteBehind:
     `upload_later`, which uploads them in the background and records the
     replica once the publish says its chunk is catalogued. Uploads not yet put
     hold at most `budget` encoded bytes (one chunk larger than that alone).
-    What is not uploaded is counted in `dropped` (shared with the checkpointer,
-    under the shared `lock`). `describe(store, fingerprint)` writes the
-    fingerprint's descriptor to a store before the first blob naming it.
+    What is not uploaded is counted in `dropped` by reason.
+    `describe(store, fingerprint)` writes the fingerprint's descriptor to a
+    store before the first blob naming it.
     """
 
     def __init__(
@@ -65,8 +65,6 @@ class WriteBehind:
         actor: str | None,
         budget: int,
         wait_s: float,
-        dropped: Counter[str],
-        lock: threading.Lock,
         describe: Callable[[ChunkStore, Fingerprint], None],
     ) -> None:
         if budget < 1:
@@ -79,13 +77,20 @@ class WriteBehind:
         self.actor = actor
         self.budget = budget
         self.wait_s = wait_s
-        self.dropped = dropped
         self._describe = describe
-        self._lock = lock
-        self._room = threading.Condition(lock)
+        self._dropped: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)
         self._pending = 0  # encoded bytes of uploads admitted and not yet put (or failed)
         self._uploads = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvc-write-behind")
         self._futures: set[Future[None]] = set()
+
+    @property
+    def dropped(self) -> Counter[str]:
+        """Copies not made so far, by reason (`write_behind_budget`, `write_behind_failed`,
+        `write_behind_unpublished`, `write_behind_purged`, `write_behind_closed`): a copy."""
+        with self._lock:
+            return Counter(self._dropped)
 
     @property
     def pending_bytes(self) -> int:
@@ -104,7 +109,7 @@ class WriteBehind:
         with self._room:
             if not fits():
                 if speculative:
-                    self.dropped["write_behind_budget"] += 1
+                    self._dropped["write_behind_budget"] += 1
                     return False
                 if not self._room.wait_for(fits, timeout=self.wait_s):
                     raise CheckpointBusyError(
@@ -153,7 +158,7 @@ class WriteBehind:
                 # replica simply does not exist until a later upload succeeds.
                 log.warning("write-behind upload of %s to %s failed: %s", key, target.name, exc)
                 with self._lock:
-                    self.dropped["write_behind_failed"] += 1
+                    self._dropped["write_behind_failed"] += 1
                 return
             finally:
                 let_go()
@@ -164,7 +169,7 @@ class WriteBehind:
                 # The publish failed: these bytes are an orphan like the local ones,
                 # reclaimed by GC after its grace period.
                 with self._lock:
-                    self.dropped["write_behind_unpublished"] += 1
+                    self._dropped["write_behind_unpublished"] += 1
                 return
             try:
                 self.catalog.record_replica(
@@ -178,7 +183,7 @@ class WriteBehind:
                 # orphan that a later GC deletes once past its grace period.
                 log.warning("write-behind replica of %s not recorded: %s", key, exc)
                 with self._lock:
-                    self.dropped["write_behind_purged"] += 1
+                    self._dropped["write_behind_purged"] += 1
 
         with self._lock:
             try:
@@ -187,7 +192,7 @@ class WriteBehind:
                 let_go()
                 self._pending -= nbytes
                 self._room.notify_all()
-                self.dropped["write_behind_closed"] += 1
+                self._dropped["write_behind_closed"] += 1
                 return
             self._futures.add(fut)
         fut.add_done_callback(self._done)
