@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from catalog import AttentionLayout
+from restore.pages import check_payload, check_span
 from restore.pool import PagePool
 
 __all__ = ["Destination", "KVSnapshot", "PoolDestination"]
@@ -46,6 +47,8 @@ class Destination(Protocol):
     def write(self, kv: np.ndarray[Any, Any], start: int, count: int) -> None:
         """Copy `kv[:, :, :count]` (a verified chunk payload) to positions `[start, start + count)`.
 
+        A `kv` of another dtype or shape than the layout's, or positions outside the
+        reserved ones, are refused (`InputError`, naming which) before anything is written.
         Called from the restore's worker threads, several at once and in no particular
         order, always for disjoint position ranges.
         """
@@ -72,7 +75,8 @@ class KVSnapshot(Protocol):
     def length(self) -> int: ...
 
     def read_kv(self, start: int, end: int) -> np.ndarray[Any, Any]:
-        """A copy of positions `[start, end)` shaped `[L, 2, end - start, H, D]`."""
+        """A copy of positions `[start, end)` shaped `[L, 2, end - start, H, D]` (a range outside
+        `[0, length)` is refused with a ValueError)."""
         ...
 
 
@@ -86,6 +90,7 @@ class PoolDestination:
         self.pool = pool
         self.route: int | None = None
         self._pages: list[int] = []
+        self._reserved = 0
 
     @property
     def layout(self) -> AttentionLayout:
@@ -93,8 +98,11 @@ class PoolDestination:
 
     def reserve(self, tokens: int) -> None:
         self._pages = self.pool.reserve_pages(math.ceil(tokens / self.pool.page_size))
+        self._reserved = tokens
 
     def write(self, kv: np.ndarray[Any, Any], start: int, count: int) -> None:
+        check_payload(self.pool.layout, kv, count)
+        check_span(start, count, self._reserved)
         self.pool.write_pages(self._pages, start, kv[:, :, :count])
 
     def commit(self, tokens: int) -> None:
@@ -106,9 +114,11 @@ class PoolDestination:
         route = self.pool.new_route()
         self.pool.attach(route, pages, tokens)
         self._pages = []
+        self._reserved = 0
         self.route = route
 
     def abort(self) -> None:
         pages, self._pages = self._pages, []
+        self._reserved = 0
         if pages:
             self.pool.free_reserved(pages)

@@ -17,9 +17,10 @@ __all__ = ["InPlaceSnapshot", "RecordBuffers", "check_snapshot_finite", "fill_pa
 class InPlaceSnapshot(Protocol):
     """A `KVSnapshot` that can be scanned and copied out without intermediate arrays.
 
-    The page pool's `Lease` and the transformers adapter's `CacheSnapshot` are;
-    a snapshot that is not still works through `read_kv`, at the price of a
-    second copy of the KV.
+    Every snapshot kvc ships is one: the page pool's `Lease`, the transformers
+    adapter's `CacheSnapshot`, the vLLM connector's `BlockTable` and the SGLang
+    backend's host pages (tests/test_destinations.py). A snapshot that is not
+    still works through `read_kv`, at the price of a second copy of the KV.
     """
 
     def check_finite(self, start: int, end: int) -> None:

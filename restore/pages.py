@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from catalog import AttentionLayout
+from restore.errors import InputError
 
 # A bfloat16 whose exponent bits are all ones is an Inf or a NaN.
 _BF16_EXPONENT = 0x7F80
@@ -58,6 +59,47 @@ def flat_slots(kv: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     H, D]` (never a copy: a storage array that cannot be viewed so raises)."""
     layers, two, num_pages, page_size, heads, dim = kv.shape
     return np.reshape(kv, (layers, two, num_pages * page_size, heads, dim), copy=False)
+
+
+def payload_shape(layout: AttentionLayout, tokens: int) -> tuple[int, int, int, int, int]:
+    """The shape of `tokens` positions of `layout` as a blob payload: `[L, 2, T, H, D]`."""
+    return (layout.num_layers, 2, tokens, layout.num_kv_heads, layout.head_dim)
+
+
+def check_payload(
+    layout: AttentionLayout, kv: Any, tokens: int, *, what: str = "kv", exact: bool = False
+) -> None:
+    """Refuse (`InputError`, naming what is wrong) anything but a numpy array of the layout's
+    dtype shaped `[L, 2, T, H, D]` with `T == tokens` (`exact`) or `T >= tokens`.
+
+    The seams check this themselves because numpy's assignment would not: it casts another
+    dtype silently and broadcasts a layer or head axis of 1 over all of them."""
+    want = layout.numpy_dtype
+    if not isinstance(kv, np.ndarray):
+        raise InputError(f"{what} must be a numpy array of {want}, got {type(kv).__name__}")
+    if kv.dtype != want:
+        bits = " (bfloat16 travels as its uint16 bit patterns)" if layout.dtype == "bfloat16" else ""
+        raise InputError(f"{what} is {kv.dtype}; this {layout.dtype} KV takes {want}{bits}")
+    lay = layout
+    ok = kv.ndim == 5 and kv.shape[:2] == (lay.num_layers, 2)
+    ok = ok and kv.shape[3:] == (lay.num_kv_heads, lay.head_dim)
+    if not ok or not (kv.shape[2] == tokens if exact else kv.shape[2] >= tokens):
+        raise InputError(
+            f"{what} is shaped {list(kv.shape)}; expected [{lay.num_layers} layers, 2 (K, V), "
+            f"{'' if exact else '>= '}{tokens} positions, {lay.num_kv_heads} kv heads, "
+            f"{lay.head_dim} head dim]"
+        )
+
+
+def check_span(start: Any, count: Any, reserved: int) -> None:
+    """Refuse (`InputError`) a write of positions `[start, start + count)` outside the
+    `reserved` positions of a destination."""
+    start = check_int("start", start)
+    count = check_int("count", count)
+    if start + count > reserved:
+        raise InputError(
+            f"positions [{start}, {start + count}) are outside the {reserved} reserved positions"
+        )
 
 
 def check_tokens(layout: AttentionLayout, k: np.ndarray[Any, Any], v: np.ndarray[Any, Any]) -> int:

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -75,6 +76,7 @@ from restore.checkpoint import Checkpointer
 from restore.engines.identity import engine_fingerprint, weights_identity
 from restore.engines.torch_kv import DTYPES, numpy_view
 from restore.errors import InputError, RestoreError, UnsupportedModelError
+from restore.pages import check_payload, check_range, check_span, payload_shape
 from restore.restore import Restorer
 from restore.session import Session
 
@@ -107,7 +109,10 @@ class _HostPages:
     """Some pages of a kv_buffer-shaped tensor as kvc's two seams (`restore.destination`).
 
     Chain positions `[0, base * P)` are the call's `prefix_keys` (not here: a
-    read or write of them fails); page `base + j` is at slot `starts[j]`.
+    read or write of them fails); page `base + j` is at slot `starts[j]`. A
+    range may cross pages (kvc writes a page per chunk; the seam does not ask it).
+    `abort` and a `commit` of fewer positions leave what was written in the pages:
+    SGLang allocated them for this read and uses only the pages reported loaded.
     """
 
     def __init__(
@@ -125,6 +130,7 @@ class _HostPages:
         self._p = page_size
         self._base = base
         self._starts = starts
+        self._reserved = 0
         self.committed = 0
 
     @property
@@ -135,41 +141,63 @@ class _HostPages:
     def length(self) -> int:
         return (self._base + len(self._starts)) * self._p
 
-    def _page(self, start: int, count: int) -> np.ndarray[Any, Any]:
-        """The host memory of positions `[start, start + count)` (within one page), host order."""
-        j = start // self._p - self._base
-        if j < 0 or start % self._p + count > self._p:
+    def _pieces(self, start: int, end: int) -> Iterator[tuple[np.ndarray[Any, Any], int, int]]:
+        """(host memory of a run of positions within one page in host order, its offset from
+        `start`, its count) covering `[start, end)`."""
+        if start < self._base * self._p and end > start:
             raise RestoreError(
-                f"positions {start}..{start + count} are not a page of this call: "
+                f"positions {start}..{end} are not pages of this call: "
                 "a page before the call's keys is not catalogued in kvc"
             )
-        s = self._starts[j] + start % self._p
-        if self._host_layout == "layer_first":
-            return self._buf[:, :, s : s + count]
-        return self._buf[:, s : s + count]
+        pos = start
+        while pos < end:
+            j, off = divmod(pos, self._p)
+            take = min(self._p - off, end - pos)
+            s = self._starts[j - self._base] + off
+            if self._host_layout == "layer_first":
+                yield self._buf[:, :, s : s + take], pos - start, take
+            else:
+                yield self._buf[:, s : s + take], pos - start, take
+            pos += take
 
     def read_kv(self, start: int, end: int) -> np.ndarray[Any, Any]:
-        return np.ascontiguousarray(
-            self._page(start, end - start).transpose(_TO_PAYLOAD[self._host_layout])
-        )
+        start, end = check_range(start, end, self.length)
+        out = np.empty(payload_shape(self._layout, end - start), dtype=self._layout.numpy_dtype)
+        self.read_kv_into(out, start, end)
+        return out
 
     def read_kv_into(self, out: np.ndarray[Any, Any], start: int, end: int) -> None:
-        out[...] = self._page(start, end - start).transpose(_TO_PAYLOAD[self._host_layout])
+        start, end = check_range(start, end, self.length)
+        check_payload(self._layout, out, end - start, what="out", exact=True)
+        for host, at, n in self._pieces(start, end):
+            out[:, :, at : at + n] = host.transpose(_TO_PAYLOAD[self._host_layout])
 
     def check_finite(self, start: int, end: int) -> None:
-        check_finite(self._page(start, end - start), self._layout.dtype)
+        start, end = check_range(start, end, self.length)
+        for host, _at, _n in self._pieces(start, end):
+            check_finite(host, self._layout.dtype)
 
     def reserve(self, tokens: int) -> None:
-        self.committed = 0  # the pages exist: SGLang allocated them
+        if tokens > self.length:  # the pages exist: SGLang allocated them
+            raise InputError(
+                f"{tokens} positions do not fit the call's pages (up to position {self.length})"
+            )
+        self._reserved = tokens
+        self.committed = 0
 
     def write(self, kv: np.ndarray[Any, Any], start: int, count: int) -> None:
-        self._page(start, count)[...] = kv[:, :, :count].transpose(_TO_HOST[self._host_layout])
+        check_payload(self._layout, kv, count)
+        check_span(start, count, self._reserved)
+        for host, at, n in self._pieces(start, start + count):
+            host[...] = kv[:, :, at : at + n].transpose(_TO_HOST[self._host_layout])
 
     def commit(self, tokens: int) -> None:
         self.committed = tokens
+        self._reserved = 0
 
     def abort(self) -> None:
         self.committed = 0
+        self._reserved = 0
 
 
 class KvcHiCacheStorage(HiCacheStorage):

@@ -53,10 +53,12 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from catalog import AttentionLayout, Fingerprint
 from catalog.base import CatalogAPI
 from catalog.models import Shard
+from chunkstore.record import check_finite
 from restore.checkpoint import Checkpointer
 from restore.engines.identity import engine_fingerprint, numeric_config, weights_identity
 from restore.engines.torch_kv import DTYPES, numpy_view, torch_dtype
 from restore.errors import InputError, UnsupportedModelError
+from restore.pages import check_payload, check_range, check_span, payload_shape
 from restore.restore import Restorer
 from restore.session import Session
 
@@ -167,7 +169,12 @@ def vllm_fingerprint(vllm_config: VllmConfig, weights_id: str | None = None) -> 
 
 class BlockTable:
     """One request's blocks of vLLM's per-layer KV tensors as kvc's two seams: the `Destination`
-    a restore writes (positions before `start` left alone) and the `KVSnapshot` a save reads."""
+    a restore writes (positions before `start` left alone) and the `KVSnapshot` a save reads
+    (an `InPlaceSnapshot`: CPU blocks are scanned and copied out in place).
+
+    `abort` and a `commit` of fewer positions leave what was written in the request's blocks:
+    vLLM allocated them for this load, reads only the positions `restored` reports, and
+    recomputes the rest (`get_block_ids_with_load_errors`)."""
 
     def __init__(
         self,
@@ -185,6 +192,7 @@ class BlockTable:
         self._blocks = list(block_ids)
         self._start = start
         self._length = length
+        self._reserved = 0
         self.restored = 0
 
     @property
@@ -211,8 +219,11 @@ class BlockTable:
                 f"{tokens} positions need {math.ceil(tokens / self._block_size)} blocks of "
                 f"{self._block_size}; the request holds {len(self._blocks)}"
             )
+        self._reserved = tokens
 
     def write(self, kv: np.ndarray[Any, Any], start: int, count: int) -> None:
+        check_payload(self._layout, kv, count)
+        check_span(start, count, self._reserved)
         lo = max(start, self._start)
         if lo >= start + count:
             return  # vLLM computed these positions itself
@@ -231,20 +242,50 @@ class BlockTable:
 
     def commit(self, tokens: int) -> None:
         self.restored = tokens
+        self._reserved = 0
 
     def abort(self) -> None:
         self.restored = 0
+        self._reserved = 0
 
     # KVSnapshot
     def read_kv(self, start: int, end: int) -> np.ndarray[Any, Any]:
-        out = torch.empty(
-            (len(self._layers), 2, end - start, self._layout.num_kv_heads, self._layout.head_dim),
-            dtype=torch_dtype(self._layout.dtype),
+        start, end = check_range(start, end, self._length)
+        if self._layers[0].device.type == "cpu":
+            out = np.empty(payload_shape(self._layout, end - start), dtype=self._layout.numpy_dtype)
+            self.read_kv_into(out, start, end)
+            return out
+        staged = torch.empty(
+            payload_shape(self._layout, end - start), dtype=torch_dtype(self._layout.dtype)
         )
         for block, off, take, s in self._spans(start, end):
             for layer, src in enumerate(self._layers):
-                out[layer, :, s : s + take].copy_(src[block, :, off : off + take])
-        return numpy_view(out)
+                staged[layer, :, s : s + take].copy_(src[block, :, off : off + take])
+        return numpy_view(staged)
+
+    def read_kv_into(self, out: np.ndarray[Any, Any], start: int, end: int) -> None:
+        """Copy positions `[start, end)` into `out` (`[L, 2, end - start, H, D]`, a record's
+        payload): from CPU blocks the one copy a save makes; device blocks come through host."""
+        start, end = check_range(start, end, self._length)
+        check_payload(self._layout, out, end - start, what="out", exact=True)
+        if self._layers[0].device.type != "cpu":
+            out[...] = self.read_kv(start, end)
+            return
+        layers = [numpy_view(t) for t in self._layers]
+        for block, off, take, s in self._spans(start, end):
+            for layer, src in enumerate(layers):
+                out[layer, :, s : s + take] = src[block, :, off : off + take]
+
+    def check_finite(self, start: int, end: int) -> None:
+        """Raise ValueError if positions `[start, end)` hold a NaN or an Inf (CPU blocks read in place)."""
+        start, end = check_range(start, end, self._length)
+        if self._layers[0].device.type != "cpu":
+            check_finite(self.read_kv(start, end), self._layout.dtype)
+            return
+        layers = [numpy_view(t) for t in self._layers]
+        for block, off, take, _s in self._spans(start, end):
+            for src in layers:
+                check_finite(src[block, :, off : off + take], self._layout.dtype)
 
     def blocks_from(self, position: int, end: int) -> set[int]:
         """The blocks holding positions `[position, end)`."""

@@ -17,6 +17,7 @@ from chunkstore.record import check_finite
 from restore.engines.hf.identity import full_attention_layers
 from restore.engines.torch_kv import numpy_view, torch_dtype
 from restore.errors import InputError, UnsupportedModelError
+from restore.pages import check_payload, check_range, check_span, payload_shape
 
 
 class CacheSnapshot:
@@ -76,22 +77,24 @@ class CacheSnapshot:
         return self._length
 
     def read_kv(self, start: int, end: int) -> np.ndarray[Any, Any]:
+        start, end = check_range(start, end, self._length)
         lay = self._layout
-        out = np.empty(
-            (lay.num_layers, 2, end - start, lay.num_kv_heads, lay.head_dim), dtype=lay.numpy_dtype
-        )
+        out = np.empty(payload_shape(lay, end - start), dtype=lay.numpy_dtype)
         self.read_kv_into(out, start, end)
         return out
 
     def read_kv_into(self, out: np.ndarray[Any, Any], start: int, end: int) -> None:
         """Copy positions `[start, end)` into `out` (`[L, 2, end - start, H, D]`, e.g. a record's
         payload): the one copy a checkpoint makes of the cache."""
+        start, end = check_range(start, end, self._length)
+        check_payload(self._layout, out, end - start, what="out", exact=True)
         for i, (k, v) in enumerate(self._kv):
             out[i, 0] = k[:, start:end].transpose(1, 0, 2)
             out[i, 1] = v[:, start:end].transpose(1, 0, 2)
 
     def check_finite(self, start: int, end: int) -> None:
         """Raise ValueError if positions `[start, end)` hold a NaN or an Inf (read in place)."""
+        start, end = check_range(start, end, self._length)
         for k, v in self._kv:
             check_finite(k[:, start:end], self._layout.dtype)
             check_finite(v[:, start:end], self._layout.dtype)
@@ -156,6 +159,8 @@ class CacheDestination:
         self._view = numpy_view(self._host)
 
     def write(self, kv: np.ndarray[Any, Any], start: int, count: int) -> None:
+        check_payload(self._layout, kv, count)
+        check_span(start, count, 0 if self._view is None else self._view.shape[2])
         assert self._view is not None
         self._view[:, :, start : start + count] = kv[:, :, :count]  # the one copy from the blob
 
