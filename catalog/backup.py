@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# progress(stage, done, total): the shape of restore.progress.Progress (catalog cannot import it).
+# progress(stage, done, total): the shape of maintenance.progress.Progress (catalog cannot import it).
 BackupProgress = Callable[[str, int, int | None], None]
 
 PAGES_PER_STEP = 1024  # 4 MiB per step at SQLite's default page size

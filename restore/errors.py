@@ -1,8 +1,7 @@
-"""Domain errors of restore: page pool, checkpoint and restore pipelines, lifecycle runs (GC)."""
+"""Domain errors of restore: page pool, checkpoint and restore pipelines, the journal."""
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Any
 
 
@@ -46,27 +45,6 @@ class CheckpointBusyError(RestoreError):
 
 def _rebuild_exhausted(message: str, needed: int, available: int) -> PoolExhaustedError:
     return PoolExhaustedError(message, needed=needed, available=available)
-
-
-class GcRefusedError(RestoreError):
-    """A GC run refused to start; nothing was changed (the message says why)."""
-
-
-class GcLockedError(GcRefusedError):
-    """Another GC run holds the catalog's GC lock (`holder` until `until`, when known)."""
-
-    def __init__(self, message: str, holder: str | None = None, until: datetime | None = None):
-        super().__init__(message)
-        self.holder = holder
-        self.until = until
-
-
-class MissingReplicasError(GcRefusedError):
-    """The catalog records `missing` replicas in the stores being collected (run fsck, or force)."""
-
-    def __init__(self, message: str, missing: int = 0) -> None:
-        super().__init__(message)
-        self.missing = missing
 
 
 class JournalWriteError(RestoreError):

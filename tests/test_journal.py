@@ -23,13 +23,8 @@ from catalog.schema import Pin
 from chunkstore import ChunkStore, open_store
 from chunkstore.base import DOCUMENTS_DIR
 from chunkstore.local import LocalStore
-from restore.journal import (
-    JOURNAL_PREFIX,
-    StoreJournal,
-    attach_journal,
-    encode_change,
-    read_journal,
-)
+from maintenance.journal import read_journal
+from restore.journal import JOURNAL_PREFIX, StoreJournal, attach_journal, encode_change
 from tests.catalog_helpers import CS, FP, publish
 
 NS = "team/\u00e9t\u00e9 x"  # characters a document name cannot hold
@@ -370,7 +365,7 @@ def test_the_service_exposes_journal_failures(cat: Catalog, chain: list[bytes]) 
 def test_resync_repairs_what_failed_journal_writes_left_out(
     tmp_path: Path, cat: Catalog, chain: list[bytes]
 ) -> None:
-    from restore.journal import resync_journal
+    from maintenance.journal import resync_journal
 
     a1, a2, _, _ = chain
     s = LocalStore(tmp_path / "s")

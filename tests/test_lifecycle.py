@@ -1,4 +1,4 @@
-"""restore.fsck, restore.sweep and restore.collect as a library: reports, progress, what they delete.
+"""maintenance.fsck, maintenance.sweep and maintenance.collect as a library: reports, progress, what they delete.
 
 SQLite and local directory stores; `kvc fsck`/`kvc gc` over these are tested in
 test_cli_commands.py and test_gc.py.
@@ -17,10 +17,11 @@ import pytest
 from catalog.catalog import Catalog
 from catalog.gc import GC_LOCK, acquire_lock, lock_holder
 from chunkstore import ChunkStore, open_store
-from restore.collect import run_gc
-from restore.errors import GcLockedError, InputError, MissingReplicasError
-from restore.fsck import fsck
-from restore.sweep import sweep_orphans
+from maintenance.collect import run_gc
+from maintenance.errors import GcLockedError, MissingReplicasError
+from maintenance.fsck import fsck
+from maintenance.sweep import sweep_orphans
+from restore.errors import InputError
 from tests.test_cli_commands import Home, _populate
 
 NS = "default"

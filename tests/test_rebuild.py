@@ -21,9 +21,9 @@ import pytest
 from catalog.catalog import Catalog
 from chunkstore import ChunkStore, open_store
 from chunkstore.base import DOCUMENTS_DIR
+from maintenance.rebuild import rebuild
 from restore import Checkpointer, PagePool, Restorer
 from restore.engines.reference import ReferenceModel
-from restore.rebuild import rebuild
 
 PAGE = 16
 CHUNK = 32

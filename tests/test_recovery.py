@@ -25,10 +25,10 @@ import sqlalchemy as sa
 from catalog.catalog import Catalog
 from chunkstore import ChunkStore, open_store
 from chunkstore.base import DOCUMENTS_DIR
+from maintenance.rebuild import rebuild
 from restore import Checkpointer, PagePool, Restorer
 from restore.descriptors import descriptor_name, load_descriptors, read_descriptor
 from restore.engines.reference import ReferenceModel
-from restore.rebuild import rebuild
 from tests.resume_worker import resume_in_new_process
 
 SEED = 0
@@ -386,7 +386,7 @@ def test_cli_several_stores_json_and_dry_run(parts: Parts) -> None:
 
 
 def test_fsck_repair_into_a_store_also_restores_its_descriptor(tmp_path: Path) -> None:
-    from restore.fsck import fsck
+    from maintenance.fsck import fsck
 
     a = open_store(f"file://{tmp_path / 'a'}")
     b = open_store(f"file://{tmp_path / 'b'}?tier=object")

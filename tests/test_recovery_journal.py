@@ -13,8 +13,8 @@ from catalog.catalog import Catalog
 from catalog.gc import plan_gc
 from catalog.purge import apply_gc
 from chunkstore import ChunkStore, open_store
+from maintenance.rebuild import rebuild
 from restore.journal import attach_journal
-from restore.rebuild import rebuild
 from tests.test_recovery import (
     CHUNK,
     FP,

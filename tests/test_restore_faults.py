@@ -38,11 +38,11 @@ from chunkstore.record import (
     EncodedChunk,
     read_header,
 )
+from maintenance.fsck import fsck
+from maintenance.rebuild_scan import scan_stores
 from restore.checkpoint import Checkpointer
 from restore.engines.reference import ReferenceModel
-from restore.fsck import fsck
 from restore.pool import PagePool
-from restore.rebuild_scan import scan_stores
 from restore.restore import Restorer
 from restore.write_behind import to_replica_receipt
 from tests.store_wrappers import Delegating

@@ -20,7 +20,7 @@ import pytest
 from catalog import Catalog
 from catalog.remote import RemoteCatalog
 from chunkstore import open_store
-from restore.journal import read_journal
+from maintenance.journal import read_journal
 from tests.catalog_helpers import CS, FP, chain_records
 from tests.services import free_port
 

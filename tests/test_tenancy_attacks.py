@@ -31,8 +31,8 @@ from catalog.schema import FingerprintRow, Replica
 from catalog.wire import ChunkRecordModel
 from chunkstore import ChunkStore, open_store
 from kvc.service import create_app, hash_token
+from maintenance.collect import run_gc
 from restore.checkpoint import Checkpointer
-from restore.collect import run_gc
 from restore.engines.reference import ReferenceModel
 from restore.pool import PagePool
 from restore.restore import Restorer

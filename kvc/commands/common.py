@@ -168,7 +168,7 @@ def setup_logging(verbose: bool = False) -> None:
 
 
 class ProgressBars:
-    """A `restore.progress.Progress` drawing one tqdm bar per stage on stderr.
+    """A `maintenance.progress.Progress` drawing one tqdm bar per stage on stderr.
 
     stdout stays clean for --json; a bar is noise when stderr is a file or pipe.
     """

@@ -1,4 +1,4 @@
-"""`kvc fsck` and `kvc gc`: thin wrappers over restore.fsck and restore.collect that format their reports."""
+"""`kvc fsck` and `kvc gc`: thin wrappers over maintenance.fsck and maintenance.collect that format their reports."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def fsck(
     another replica of the same blob in a configured store, once that copy
     verifies (disable with --no-repair). Exit 1 when problems were found
     (repaired or not), 0 when clean."""
-    from restore.fsck import fsck as check
+    from maintenance.fsck import fsck as check
 
     subset = _subset(subset_text)
     stores = open_stores(settings)
@@ -185,8 +185,8 @@ def gc(
     One GC runs at a time (a lock in the catalog; a crashed run's lock expires).
     Refuses to run while the catalog records `missing` replicas in a configured
     store (see `kvc fsck`) unless --force."""
-    from restore.collect import run_gc
-    from restore.errors import MissingReplicasError
+    from maintenance.collect import run_gc
+    from maintenance.errors import MissingReplicasError
 
     stores = open_stores(settings)
     now = datetime.now(UTC)

@@ -209,7 +209,7 @@ def rebuild_cmd(
     from catalog.database import safe_url
     from chunkstore import open_store
     from chunkstore.errors import StoreURLError
-    from restore.rebuild import rebuild
+    from maintenance.rebuild import rebuild
 
     if len(set(from_urls)) != len(from_urls):
         fail("a --from store is given twice", EXIT_USAGE)

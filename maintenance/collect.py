@@ -6,7 +6,7 @@ replicas in the stores, unless forced; finish what an interrupted run left
 `purging`/`deleting`; plan and apply the namespace's retention (quarantined
 chunks, and with `max_age_s`/`max_bytes` the least valuable leaves), deleting
 purged blobs' bytes from the stores given; then sweep orphan blobs
-(`restore.sweep`). A dry run takes no lock, resumes nothing, deletes nothing.
+(`maintenance.sweep`). A dry run takes no lock, resumes nothing, deletes nothing.
 The catalog side is `catalog.gc`; this module only adds the stores.
 """
 
@@ -35,9 +35,9 @@ from catalog.gc import (
 from catalog.purge import GcResult, apply_gc, resume_gc
 from chunkstore import ChunkStore
 from chunkstore.errors import BlobNotFoundError
-from restore.errors import GcLockedError, MissingReplicasError
-from restore.progress import Progress, StageCounter
-from restore.sweep import SweepReport, sweep_orphans
+from maintenance.errors import GcLockedError, MissingReplicasError
+from maintenance.progress import Progress, StageCounter
+from maintenance.sweep import SweepReport, sweep_orphans
 
 log = logging.getLogger(__name__)
 

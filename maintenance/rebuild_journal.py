@@ -1,6 +1,6 @@
 """Rebuild, step 4: the stores' journal brought back into a catalog (refs, pins, quarantines, purges).
 
-`restore.journal.read_journal` gives the latest record of every ref, pin,
+`maintenance.journal.read_journal` gives the latest record of every ref, pin,
 quarantined prefix and GC purge over the stores. Rebuild applies it after the
 chunks are recorded, adding only what the catalog lacks:
 
@@ -31,7 +31,7 @@ from catalog.catalog import Catalog
 from catalog.clock import utcnow
 from catalog.errors import CatalogError, NotFoundError
 from catalog.models import ReplicaReceipt
-from restore.journal import JournalState
+from maintenance.journal import JournalState
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ replica per store holding a good copy, in that store's tier) and records it:
 3. chunks: namespace by namespace, parents first, in batches; only what is
    missing is added. A chunk the catalog (or an earlier copy) already has
    with another blob key is a conflict: reported, never overwritten;
-4. refs, pins and quarantines: from the stores' journal (restore/rebuild_journal.py),
+4. refs, pins and quarantines: from the stores' journal (maintenance/rebuild_journal.py),
    adding only what the catalog lacks; blobs GC purged after they were stored are
    left out before step 3.
 
@@ -41,11 +41,11 @@ from catalog.errors import CatalogError, IdentityError, NotFoundError, PublishEr
 from catalog.identity import AttentionLayout
 from catalog.models import ChunkRecord, Shard
 from chunkstore import ChunkStore
+from maintenance.journal import read_journal
+from maintenance.progress import Progress
+from maintenance.rebuild_journal import JournalOutcome, apply_journal, purged_since_stored
+from maintenance.rebuild_scan import StoredBlob, scan_stores
 from restore.descriptors import load_descriptors
-from restore.journal import read_journal
-from restore.progress import Progress
-from restore.rebuild_journal import JournalOutcome, apply_journal, purged_since_stored
-from restore.rebuild_scan import StoredBlob, scan_stores
 
 log = logging.getLogger(__name__)
 

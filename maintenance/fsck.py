@@ -34,10 +34,10 @@ from chunkstore.errors import (
     ChunkIntegrityError,
     ChunkStoreError,
 )
-from restore.bounds import verify_within_layout
+from maintenance.bounds import verify_within_layout
+from maintenance.progress import Progress
 from restore.descriptors import store_descriptor
 from restore.errors import InputError
-from restore.progress import Progress
 from restore.write_behind import to_replica_receipt
 
 log = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ from chunkstore import ChunkStore
 from chunkstore.base import Tier
 from chunkstore.errors import ChunkStoreError
 from chunkstore.record import ChunkHeader, read_header
-from restore.bounds import verify_within_layout
-from restore.progress import Progress
+from maintenance.bounds import verify_within_layout
+from maintenance.progress import Progress
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from catalog.admin import still_catalogued
 from catalog.catalog import Catalog
 from chunkstore import ChunkStore
 from chunkstore.errors import BlobNotFoundError, ChunkStoreError
+from maintenance.progress import Progress, StageCounter
 from restore.errors import InputError
-from restore.progress import Progress, StageCounter
 
 log = logging.getLogger(__name__)
 
