@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from catalog.base import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
 from kvc.commands.common import (
     EXIT_PROBLEMS,
     EXIT_USAGE,
@@ -181,7 +182,7 @@ def _summary(report: Any) -> str:
 )
 @click.option(
     "--chunk-size",
-    type=click.IntRange(1, 65536),
+    type=click.IntRange(MIN_CHUNK_SIZE, MAX_CHUNK_SIZE),
     default=None,
     help="Chunk size of a new namespace when the stores hold no parent/child pair to infer it from.",
 )
