@@ -173,14 +173,8 @@ def test_a_corrupt_page_is_a_miss_never_bad_bytes_and_is_marked(
     kv.close()
 
 
-def test_a_new_process_sees_every_page(env: dict[str, Any]) -> None:
-    pool = HostPool("page_first")
-    kv = open_backend(env, pool)
-    keys = keys_for("restart", 4)
-    fill(pool, 0, 4, seed=5)
-    want = [page_bytes(pool, j * P).hex() for j in range(4)]
-    assert kv.batch_set_v1(keys, slots(0, 4), info([])) == [True] * 4
-    kv.close()
+def get_in_new_process(env: dict[str, Any], keys: list[str]) -> dict[str, Any]:
+    """What a new SGLang process (tests/sglang_worker.py) finds and reads of these pages."""
     args = json.dumps({"layout": "page_first", "extra": env, "keys": keys})
     out = subprocess.run(
         [sys.executable, "-m", "tests.sglang_worker", args],
@@ -189,7 +183,19 @@ def test_a_new_process_sees_every_page(env: dict[str, Any]) -> None:
         check=True,
         cwd=Path(__file__).resolve().parents[1],
     )
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    found: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return found
+
+
+def test_a_new_process_sees_every_page(env: dict[str, Any]) -> None:
+    pool = HostPool("page_first")
+    kv = open_backend(env, pool)
+    keys = keys_for("restart", 4)
+    fill(pool, 0, 4, seed=5)
+    want = [page_bytes(pool, j * P).hex() for j in range(4)]
+    assert kv.batch_set_v1(keys, slots(0, 4), info([])) == [True] * 4
+    kv.close()
+    result = get_in_new_process(env, keys)
     assert result == {"hits": 4, "loaded": [True] * 4, "pages": want}
 
 
@@ -289,13 +295,5 @@ def test_the_catalog_comes_back_from_the_store_alone_names_included(
     lose_catalog(env["catalog"])
     assert kvc_rebuild(env["catalog"], env["stores"])["complete"]
     assert names(env["catalog"], NS) == before
-    args = json.dumps({"layout": "page_first", "extra": env, "keys": keys})
-    out = subprocess.run(
-        [sys.executable, "-m", "tests.sglang_worker", args],
-        capture_output=True,
-        text=True,
-        check=True,
-        cwd=Path(__file__).resolve().parents[1],
-    )
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    result = get_in_new_process(env, keys)
     assert result == {"hits": 4, "loaded": [True] * 4, "pages": want}

@@ -134,25 +134,20 @@ def _body(records: list[ChunkRecord]) -> dict[str, Any]:
     }
 
 
+def _alice_record(
+    w: World, prefix: bytes, parent: bytes, start: int, tokens: list[int], key: str, size: int
+) -> ChunkRecord:
+    """A publish record of alice's with a receipt at the shared store."""
+    return ChunkRecord(
+        ALICE, FP, prefix, parent, start, tokens, SHARD, key, "raw", size, size,
+        [_receipt(w.store, size)],
+    )  # fmt: skip
+
+
 def _alice_chain(w: World, tokens: list[int], blob_key: str, size: int) -> list[ChunkRecord]:
     """A chain of alice's own (from alice's root) whose chunk names `blob_key`."""
     root = chain_root(ALICE)
-    return [
-        ChunkRecord(
-            ALICE,
-            FP,
-            chain_hash(root, tokens),
-            root,
-            0,
-            tokens,
-            SHARD,
-            blob_key,
-            "raw",
-            size,
-            size,
-            [_receipt(w.store, size)],
-        )
-    ]
+    return [_alice_record(w, chain_hash(root, tokens), root, 0, tokens, blob_key, size)]
 
 
 def _nothing_of_bob(w: World, *responses: Any) -> None:
@@ -206,37 +201,11 @@ def test_a_chunk_extending_another_tenants_node_is_refused_and_bob_restores_exac
     toks = w.bob_tokens[CS : 2 * CS]
     assert chain_hash(parent, toks) == target
     key = "ee" * 32  # the catalog refuses the facts; what bytes she stored does not matter
-    graft = ChunkRecord(
-        ALICE,
-        FP,
-        target,
-        parent,
-        CS,
-        toks,
-        SHARD,
-        key,
-        "raw",
-        4096,
-        4096,
-        [_receipt(w.store, 4096)],
-    )
+    graft = _alice_record(w, target, parent, CS, toks, key, 4096)
     r = w.post("chunks", _body([graft]))
     assert r.status_code == 422 and "not catalogued" in r.json()["detail"]
     # The same with bob's root: a chain of alice's own must start at alice's root.
-    first = ChunkRecord(
-        ALICE,
-        FP,
-        w.bob_hashes[0],
-        chain_root(BOB),
-        0,
-        w.bob_tokens[:CS],
-        SHARD,
-        key,
-        "raw",
-        4096,
-        4096,
-        [_receipt(w.store, 4096)],
-    )
+    first = _alice_record(w, w.bob_hashes[0], chain_root(BOB), 0, w.bob_tokens[:CS], key, 4096)
     assert w.post("chunks", _body([first])).status_code == 422
     _nothing_of_bob(w, r)
     # Bob's catalog is as it was, and his next checkpoint and restore are his own bytes.
@@ -256,19 +225,8 @@ def test_lineage_and_descendants_never_cross_namespaces(world: World) -> None:
         desc = w.get(f"prefixes/{h.hex()}/descendants")
         assert desc.status_code == 200 and desc.json() == {"prefixes": []}
     # Alice's own chain, whose parent she names as bob's node, never lands to be walked.
-    graft = ChunkRecord(
-        ALICE,
-        FP,
-        chain_hash(w.bob_hashes[2], [7, 7]),
-        w.bob_hashes[2],
-        3 * CS,
-        [7, 7],
-        SHARD,
-        "dd" * 32,
-        "raw",
-        10,
-        10,
-        [_receipt(w.store, 10)],
+    graft = _alice_record(
+        w, chain_hash(w.bob_hashes[2], [7, 7]), w.bob_hashes[2], 3 * CS, [7, 7], "dd" * 32, 10
     )
     assert w.post("chunks", _body([graft])).status_code == 422
     assert [p.prefix_hash for p in w.cat.descendants(BOB, w.bob_hashes[2])] == [w.bob_hashes[3]]
