@@ -13,10 +13,18 @@ from fastapi.responses import JSONResponse, Response
 
 from kvc import __version__
 from kvc.daemon.core import Daemon
+from kvc.daemon.errors import (
+    DaemonConflictError,
+    DaemonError,
+    DaemonInputError,
+    DaemonInternalError,
+    DaemonNotFoundError,
+    DaemonUnavailableError,
+    PoolFullError,
+)
 from kvc.daemon.wire import (
     CheckpointRequest,
     ConfigureRequest,
-    DaemonError,
     PrefillRequest,
     RestoreRequest,
     RouteRequest,
@@ -26,6 +34,22 @@ from kvc.daemon.wire import (
 __all__ = ["create_daemon_app"]
 
 log = logging.getLogger(__name__)
+
+# The status of each refusal of the core (docs/daemon.md, "Status codes").
+_STATUSES: dict[type[DaemonError], int] = {
+    DaemonInputError: 422,
+    DaemonNotFoundError: 404,
+    DaemonConflictError: 409,
+    PoolFullError: 507,
+    DaemonUnavailableError: 503,
+    DaemonInternalError: 500,
+}
+_STATUS_OF_KIND = {kind.__name__: status for kind, status in _STATUSES.items()}
+
+
+def _status(exc: DaemonError) -> int:
+    return next((_STATUSES[k] for k in type(exc).__mro__ if k in _STATUSES), 500)
+
 
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 _JSON_TYPES = ("application/json",)
@@ -131,7 +155,7 @@ def create_daemon_app(
         body: dict[str, Any] = {"error": exc.message}
         if exc.field is not None:
             body["field"] = exc.field
-        return JSONResponse(body, status_code=exc.status)
+        return JSONResponse(body, status_code=_status(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: Exception) -> JSONResponse:
@@ -160,7 +184,18 @@ def create_daemon_app(
 
     @app.get("/v1/stats")
     def stats() -> JSONResponse:
-        return JSONResponse(daemon.stats())
+        doc = daemon.stats()
+        # Over HTTP a past refusal is told by the status it was answered with.
+        doc["last_errors"] = [
+            {
+                "at": e["at"],
+                "op": e["op"],
+                "status": _STATUS_OF_KIND.get(e["kind"], 500),
+                "error": e["error"],
+            }
+            for e in doc["last_errors"]
+        ]
+        return JSONResponse(doc)
 
     @app.post("/v1/configure")
     def configure(body: ConfigureRequest) -> JSONResponse:

@@ -27,7 +27,15 @@ from catalog.clock import utcnow
 from catalog.errors import CatalogError, IdentityError, NotFoundError
 from chunkstore import ChunkStore
 from chunkstore.errors import ChunkStoreError
-from kvc.daemon.wire import DaemonError
+from kvc.daemon.errors import (
+    DaemonConflictError,
+    DaemonError,
+    DaemonInputError,
+    DaemonInternalError,
+    DaemonNotFoundError,
+    DaemonUnavailableError,
+    PoolFullError,
+)
 from restore.engines.reference import ReferenceModel
 from restore.errors import (
     CheckpointBusyError,
@@ -72,7 +80,9 @@ class Daemon:
     the planner weighs restores against (configure may set it too). Every
     `invalidation_interval` seconds (0: never) a daemon thread applies
     quarantine invalidations (`apply_invalidations`) and withdraws the resident
-    replicas of the routes it dropped; `close` stops it.
+    replicas of the routes it dropped; `close` stops it. Refusals are
+    `kvc.daemon.errors` classes (a `DaemonError`, each also the builtin it
+    refines); `stats()["last_errors"]` names each one's `kind`.
     """
 
     def __init__(
@@ -205,8 +215,7 @@ class Daemon:
             layout = fp.layout
             nbytes = num_pages * ps * layout.bytes_per_token
             if nbytes > self.max_pool_bytes:
-                raise DaemonError(
-                    422,
+                raise DaemonInputError(
                     f"{num_pages} pages of {ps} tokens need {nbytes} bytes, more than this "
                     f"daemon's limit of {self.max_pool_bytes}",
                     field="num_pages",
@@ -243,8 +252,7 @@ class Daemon:
             pool, fp = self._current()
             model = self._engine_for(fp)
             if model is None:
-                raise DaemonError(
-                    409,
+                raise DaemonConflictError(
                     f"prefill is the reference-engine hook; fingerprint {fp.hex[:16]} is not a "
                     "reference model's, so its engine must compute the KV",
                 )
@@ -254,7 +262,7 @@ class Daemon:
             try:
                 model.prefill(pool, rid, tokens)
             except ValueError as exc:
-                raise DaemonError(422, str(exc), field="tokens") from exc
+                raise DaemonInputError(str(exc), field="tokens") from exc
             except BaseException:
                 if new:
                     pool.release(rid)
@@ -358,14 +366,14 @@ class Daemon:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise DaemonError(503, "the daemon is shutting down")
+            raise DaemonUnavailableError("the daemon is shutting down")
 
     def _current(self) -> tuple[PagePool, Fingerprint]:
         with self._lock:
             self._check_open()
             pool = self._residency.pool
             if pool is None or self._fingerprint is None:
-                raise DaemonError(409, "no pool is configured: POST /v1/configure first")
+                raise DaemonConflictError("no pool is configured: POST /v1/configure first")
             return pool, self._fingerprint
 
     def _reference_engines(self) -> dict[str, ReferenceModel]:
@@ -392,8 +400,7 @@ class Daemon:
             if found is None and spec.lower() in engines:
                 found = engines[spec.lower()].fingerprint
             if found is None:
-                raise DaemonError(
-                    422,
+                raise DaemonInputError(
                     f"fingerprint {spec[:64]!r} is not catalogued: send its descriptor instead",
                     field="fingerprint",
                 )
@@ -401,13 +408,13 @@ class Daemon:
         try:
             return Fingerprint.from_descriptor(spec)
         except IdentityError as exc:
-            raise DaemonError(
-                422, f"invalid fingerprint descriptor: {exc}", field="fingerprint"
+            raise DaemonInputError(
+                f"invalid fingerprint descriptor: {exc}", field="fingerprint"
             ) from exc
 
     @contextmanager
     def _errors_as(self, op: str) -> Iterator[None]:
-        """Turn library errors into DaemonErrors with an HTTP status, and remember the last few."""
+        """Turn library errors into the daemon's own (`kvc.daemon.errors`), and remember the last few."""
         try:
             yield
         except DaemonError as exc:
@@ -421,32 +428,38 @@ class Daemon:
     def _note(self, op: str, err: DaemonError) -> None:
         with self._lock:
             self._errors.append(
-                {"at": utcnow().isoformat(), "op": op, "status": err.status, "error": err.message}
+                {
+                    "at": utcnow().isoformat(),
+                    "op": op,
+                    "kind": type(err).__name__,
+                    "error": err.message,
+                }
             )
 
 
 def _translate(op: str, exc: Exception) -> DaemonError:
-    # Order matters: UnknownRouteError is a RestoreError, IdentityError a CatalogError.
+    # Order matters: UnknownRouteError is a RestoreError, IdentityError a CatalogError, and a
+    # RestoreError or CatalogError that is also a ValueError is a conflict, not bad input.
     if isinstance(exc, UnknownRouteError):
-        return DaemonError(404, str(exc), field="route")
+        return DaemonNotFoundError(str(exc), field="route")
     if isinstance(exc, PoolExhaustedError):
-        return DaemonError(507, str(exc))
+        return PoolFullError(str(exc))
     if isinstance(exc, CheckpointBusyError):
-        return DaemonError(503, str(exc))
+        return DaemonUnavailableError(str(exc))
     if isinstance(exc, RestoreError):
-        return DaemonError(409, str(exc))
+        return DaemonConflictError(str(exc))
     if isinstance(exc, NotFoundError):
-        return DaemonError(404, str(exc))
+        return DaemonNotFoundError(str(exc))
     if isinstance(exc, IdentityError):
-        return DaemonError(422, str(exc))
+        return DaemonInputError(str(exc))
     if isinstance(exc, CatalogError):
-        return DaemonError(409, str(exc))
+        return DaemonConflictError(str(exc))
     if isinstance(exc, ChunkStoreError):
-        return DaemonError(503, f"store error: {exc}")
+        return DaemonUnavailableError(f"store error: {exc}")
     if isinstance(exc, ValueError):
-        return DaemonError(422, str(exc))
-    # Unexpected: the traceback goes to the daemon's log, never to the client.
+        return DaemonInputError(str(exc))
+    # Unexpected: the traceback goes to the daemon's log, never to the caller.
     log.error("%s failed", op, exc_info=exc)
-    return DaemonError(
-        500, f"internal error during {op} ({type(exc).__name__}); see the daemon log"
+    return DaemonInternalError(
+        f"internal error during {op} ({type(exc).__name__}); see the daemon log"
     )
