@@ -1,17 +1,14 @@
-"""The checkpoint/restore daemon: one page pool beside an inference engine, served over loopback HTTP.
+"""The daemon's core: one page pool beside an inference engine, checkpointed and restored.
 
-An engine that cannot link kvc in process talks to a `Daemon` over HTTP: it
-configures a pool for its fingerprint, then asks for checkpoints of its routes
-and restores of new prompts. What the pool holds is kept in step with the
-catalog (resident replicas at `worker:<id>`, demand, reconcile on start) by
-`restore.residency.Residency`; a restore is planned by `restore.planner.Planner`
-(fork resident pages, restore from a tier, or recompute). This module is the
-HTTP face of both, and the translation of their errors into statuses; the
-request bodies and `DaemonError` are `kvc.daemon_wire`.
-
-`POST /v1/prefill` computes KV with the in-tree reference decoder: it is the
+An engine that cannot link kvc in process talks to a `Daemon` over HTTP
+(`kvc.daemon.app`): it configures a pool for its fingerprint, then asks for
+checkpoints of its routes and restores of new prompts. What the pool holds is
+kept in step with the catalog (resident replicas at `worker:<id>`, demand,
+reconcile on start) by `restore.residency.Residency`; a restore is planned by
+`restore.planner.Planner` (fork resident pages, restore from a tier, or
+recompute). `prefill` computes KV with the in-tree reference decoder: it is the
 reference-engine hook that lets tests and the demo drive a daemon without a
-real engine, and it answers 409 for any other fingerprint.
+real engine, and it refuses any other fingerprint.
 """
 
 from __future__ import annotations
@@ -24,25 +21,20 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-
 from catalog import Fingerprint, fingerprint_hex
 from catalog.base import CatalogAPI
 from catalog.clock import utcnow
 from catalog.errors import CatalogError, IdentityError, NotFoundError
 from chunkstore import ChunkStore
 from chunkstore.errors import ChunkStoreError
-from kvc import __version__
-from kvc.daemon_wire import (
-    CheckpointRequest,
-    ConfigureRequest,
+from kvc.daemon.errors import (
+    DaemonConflictError,
     DaemonError,
-    PrefillRequest,
-    RestoreRequest,
-    RouteRequest,
-    field_name,
+    DaemonInputError,
+    DaemonInternalError,
+    DaemonNotFoundError,
+    DaemonUnavailableError,
+    PoolFullError,
 )
 from restore.engines.reference import ReferenceModel
 from restore.errors import (
@@ -58,7 +50,7 @@ from restore.reuse import reuse_prefix
 from restore.session import Session
 from restore.write_behind import DEFAULT_WRITE_BEHIND_BYTES
 
-__all__ = ["Daemon", "create_daemon_app"]
+__all__ = ["Daemon"]
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +80,9 @@ class Daemon:
     the planner weighs restores against (configure may set it too). Every
     `invalidation_interval` seconds (0: never) a daemon thread applies
     quarantine invalidations (`apply_invalidations`) and withdraws the resident
-    replicas of the routes it dropped; `close` stops it.
+    replicas of the routes it dropped; `close` stops it. Refusals are
+    `kvc.daemon.errors` classes (a `DaemonError`, each also the builtin it
+    refines); `stats()["last_errors"]` names each one's `kind`.
     """
 
     def __init__(
@@ -221,8 +215,7 @@ class Daemon:
             layout = fp.layout
             nbytes = num_pages * ps * layout.bytes_per_token
             if nbytes > self.max_pool_bytes:
-                raise DaemonError(
-                    422,
+                raise DaemonInputError(
                     f"{num_pages} pages of {ps} tokens need {nbytes} bytes, more than this "
                     f"daemon's limit of {self.max_pool_bytes}",
                     field="num_pages",
@@ -259,8 +252,7 @@ class Daemon:
             pool, fp = self._current()
             model = self._engine_for(fp)
             if model is None:
-                raise DaemonError(
-                    409,
+                raise DaemonConflictError(
                     f"prefill is the reference-engine hook; fingerprint {fp.hex[:16]} is not a "
                     "reference model's, so its engine must compute the KV",
                 )
@@ -270,7 +262,7 @@ class Daemon:
             try:
                 model.prefill(pool, rid, tokens)
             except ValueError as exc:
-                raise DaemonError(422, str(exc), field="tokens") from exc
+                raise DaemonInputError(str(exc), field="tokens") from exc
             except BaseException:
                 if new:
                     pool.release(rid)
@@ -374,14 +366,14 @@ class Daemon:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise DaemonError(503, "the daemon is shutting down")
+            raise DaemonUnavailableError("the daemon is shutting down")
 
     def _current(self) -> tuple[PagePool, Fingerprint]:
         with self._lock:
             self._check_open()
             pool = self._residency.pool
             if pool is None or self._fingerprint is None:
-                raise DaemonError(409, "no pool is configured: POST /v1/configure first")
+                raise DaemonConflictError("no pool is configured: POST /v1/configure first")
             return pool, self._fingerprint
 
     def _reference_engines(self) -> dict[str, ReferenceModel]:
@@ -408,8 +400,7 @@ class Daemon:
             if found is None and spec.lower() in engines:
                 found = engines[spec.lower()].fingerprint
             if found is None:
-                raise DaemonError(
-                    422,
+                raise DaemonInputError(
                     f"fingerprint {spec[:64]!r} is not catalogued: send its descriptor instead",
                     field="fingerprint",
                 )
@@ -417,13 +408,13 @@ class Daemon:
         try:
             return Fingerprint.from_descriptor(spec)
         except IdentityError as exc:
-            raise DaemonError(
-                422, f"invalid fingerprint descriptor: {exc}", field="fingerprint"
+            raise DaemonInputError(
+                f"invalid fingerprint descriptor: {exc}", field="fingerprint"
             ) from exc
 
     @contextmanager
     def _errors_as(self, op: str) -> Iterator[None]:
-        """Turn library errors into DaemonErrors with an HTTP status, and remember the last few."""
+        """Turn library errors into the daemon's own (`kvc.daemon.errors`), and remember the last few."""
         try:
             yield
         except DaemonError as exc:
@@ -437,205 +428,38 @@ class Daemon:
     def _note(self, op: str, err: DaemonError) -> None:
         with self._lock:
             self._errors.append(
-                {"at": utcnow().isoformat(), "op": op, "status": err.status, "error": err.message}
+                {
+                    "at": utcnow().isoformat(),
+                    "op": op,
+                    "kind": type(err).__name__,
+                    "error": err.message,
+                }
             )
 
 
 def _translate(op: str, exc: Exception) -> DaemonError:
-    # Order matters: UnknownRouteError is a RestoreError, IdentityError a CatalogError.
+    # Order matters: UnknownRouteError is a RestoreError, IdentityError a CatalogError, and a
+    # RestoreError or CatalogError that is also a ValueError is a conflict, not bad input.
     if isinstance(exc, UnknownRouteError):
-        return DaemonError(404, str(exc), field="route")
+        return DaemonNotFoundError(str(exc), field="route")
     if isinstance(exc, PoolExhaustedError):
-        return DaemonError(507, str(exc))
+        return PoolFullError(str(exc))
     if isinstance(exc, CheckpointBusyError):
-        return DaemonError(503, str(exc))
+        return DaemonUnavailableError(str(exc))
     if isinstance(exc, RestoreError):
-        return DaemonError(409, str(exc))
+        return DaemonConflictError(str(exc))
     if isinstance(exc, NotFoundError):
-        return DaemonError(404, str(exc))
+        return DaemonNotFoundError(str(exc))
     if isinstance(exc, IdentityError):
-        return DaemonError(422, str(exc))
+        return DaemonInputError(str(exc))
     if isinstance(exc, CatalogError):
-        return DaemonError(409, str(exc))
+        return DaemonConflictError(str(exc))
     if isinstance(exc, ChunkStoreError):
-        return DaemonError(503, f"store error: {exc}")
+        return DaemonUnavailableError(f"store error: {exc}")
     if isinstance(exc, ValueError):
-        return DaemonError(422, str(exc))
-    # Unexpected: the traceback goes to the daemon's log, never to the client.
+        return DaemonInputError(str(exc))
+    # Unexpected: the traceback goes to the daemon's log, never to the caller.
     log.error("%s failed", op, exc_info=exc)
-    return DaemonError(
-        500, f"internal error during {op} ({type(exc).__name__}); see the daemon log"
+    return DaemonInternalError(
+        f"internal error during {op} ({type(exc).__name__}); see the daemon log"
     )
-
-
-LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
-_JSON_TYPES = ("application/json",)
-
-
-def _host_name(name: str) -> str:
-    name = name.strip().lower()
-    return f"[{name}]" if ":" in name and not name.startswith("[") else name
-
-
-class _OwnOrigin:
-    """Which Host headers and Origins are the daemon's own.
-
-    The daemon has no credentials: anything that can reach its port can drive it. A web
-    page the operator visits can reach loopback too, by a cross-site form post or fetch
-    (it carries an `Origin`), or by DNS rebinding (a name of the attacker's that resolves
-    to 127.0.0.1: the request's `Host` is that name). So a request is answered only when
-    its `Host` is one of the daemon's names and its `Origin`, if any, is the daemon's own;
-    a POST with a body must say it is JSON (a browser cannot send that cross-site without
-    a preflight, which the daemon never grants)."""
-
-    def __init__(self, host: str, port: int | None, extra: Sequence[str]) -> None:
-        self.names = {_host_name(n) for n in (*LOOPBACK_NAMES, host, *extra) if n.strip()}
-        self.names.discard("[::]")
-        self.names.discard("0.0.0.0")  # a wildcard bind is no name a client may use
-        self.port = port
-
-    def _ours(self, authority: str, default_port: int) -> bool:
-        authority = authority.strip().lower()
-        if authority.startswith("["):  # [v6]:port
-            name, _, rest = authority.partition("]")
-            name += "]"
-            if rest and not rest.startswith(":"):
-                return False
-            port_text = rest[1:]
-        else:
-            name, _, port_text = authority.partition(":")
-        if name not in self.names:
-            return False
-        if self.port is None:
-            return True
-        try:
-            port = int(port_text) if port_text else default_port
-        except ValueError:
-            return False
-        return port == self.port
-
-    def refusal(self, method: str, headers: Any) -> str | None:
-        host = headers.get("host")
-        if host is None or not self._ours(host, 80):
-            return (
-                "this daemon does not answer to that Host header (allowed: loopback names and "
-                "its bind address; add others with --allowed-host / KVC_DAEMON_ALLOWED_HOSTS)"
-            )
-        origin = headers.get("origin")
-        if origin is not None:
-            scheme, sep, rest = origin.partition("://")
-            if not sep or scheme.lower() != "http" or not self._ours(rest.rstrip("/"), 80):
-                return "cross-origin requests are refused: the Origin is not this daemon's own"
-        if method == "POST":
-            has_body = headers.get("transfer-encoding") is not None or (
-                headers.get("content-length") not in (None, "0")
-            )
-            ctype = headers.get("content-type", "").split(";")[0].strip().lower()
-            if has_body and not (ctype in _JSON_TYPES or ctype.endswith("+json")):
-                return "a POST body must be JSON: send Content-Type: application/json"
-        return None
-
-
-def create_daemon_app(
-    daemon: Daemon,
-    *,
-    host: str = "127.0.0.1",
-    port: int | None = None,
-    allowed_hosts: Sequence[str] = (),
-) -> FastAPI:
-    """The daemon's HTTP API (see docs/daemon.md); serve it on loopback.
-
-    `host` and `port`: where it is served. Only requests whose `Host` is a loopback name,
-    `host` or one of `allowed_hosts` (with `port`, when given) are answered, and only
-    from no web origin or the daemon's own; anything else is a 403 (a 415 for a POST body
-    that is not declared JSON)."""
-    app = FastAPI(
-        title="kvc daemon",
-        version=__version__,
-        summary="Checkpoint and restore a page pool's routes through the kvc catalog.",
-    )
-    own = _OwnOrigin(host, port, allowed_hosts)
-
-    @app.middleware("http")
-    async def _own_origin_only(request: Request, call_next: Any) -> Response:
-        why = own.refusal(request.method, request.headers)
-        if why is not None:
-            status = 415 if why.startswith("a POST body") else 403
-            log.warning("refused %s %s: %s", request.method, request.url.path, why)
-            return JSONResponse({"error": why}, status_code=status)
-        response: Response = await call_next(request)
-        return response
-
-    @app.exception_handler(DaemonError)
-    async def _daemon_error(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, DaemonError)
-        body: dict[str, Any] = {"error": exc.message}
-        if exc.field is not None:
-            body["field"] = exc.field
-        return JSONResponse(body, status_code=exc.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, RequestValidationError)
-        problems: list[str] = []
-        fields: list[str] = []
-        for e in exc.errors():
-            name = field_name(e.get("loc", ()))
-            if e.get("type") == "json_invalid":
-                name = "body"
-            if name not in fields:
-                fields.append(name)
-            # The message only: echoing the input could repeat a whole prompt.
-            problems.append(f"{name}: {e.get('msg', 'invalid')}")
-        return JSONResponse(
-            {"error": "invalid request: " + "; ".join(problems[:5]), "fields": fields},
-            status_code=422,
-        )
-
-    @app.get("/healthz")
-    def healthz() -> JSONResponse:
-        stats = daemon.stats()
-        return JSONResponse(
-            {"ok": True, "worker": daemon.worker_id, "configured": stats["configured"]}
-        )
-
-    @app.get("/v1/stats")
-    def stats() -> JSONResponse:
-        return JSONResponse(daemon.stats())
-
-    @app.post("/v1/configure")
-    def configure(body: ConfigureRequest) -> JSONResponse:
-        return JSONResponse(
-            daemon.configure(
-                body.fingerprint, body.num_pages, body.page_size, body.prefill_tokens_per_s
-            )
-        )
-
-    @app.post("/v1/prefill")
-    def prefill(body: PrefillRequest) -> JSONResponse:
-        return JSONResponse(daemon.prefill(body.tokens, body.route))
-
-    @app.post("/v1/checkpoint")
-    def checkpoint(body: CheckpointRequest) -> JSONResponse:
-        return JSONResponse(daemon.checkpoint(body.route, body.tokens, body.name, body.pending))
-
-    @app.post("/v1/restore", response_model=None)
-    def restore(body: RestoreRequest) -> Response:
-        result = daemon.restore(body.tokens)
-        if result is None:
-            return Response(status_code=204)
-        return JSONResponse(result)
-
-    @app.post("/v1/release")
-    def release(body: RouteRequest) -> JSONResponse:
-        return JSONResponse(daemon.release(body.route))
-
-    @app.post("/v1/clear")
-    def clear() -> JSONResponse:
-        return JSONResponse(daemon.clear())
-
-    @app.post("/v1/refresh")
-    def refresh() -> JSONResponse:
-        return JSONResponse(daemon.refresh())
-
-    return app

@@ -1,4 +1,4 @@
-"""The daemon's wire: its request bodies (pydantic, extra fields refused) and `DaemonError`, a refusal."""
+"""The daemon's wire: its request bodies (pydantic, extra fields refused)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ __all__ = [
     "MAX_TOKENS",
     "CheckpointRequest",
     "ConfigureRequest",
-    "DaemonError",
     "PrefillRequest",
     "RestoreRequest",
     "RouteRequest",
@@ -58,16 +57,6 @@ class RestoreRequest(_Body):
 
 class RouteRequest(_Body):
     route: StrictInt
-
-
-class DaemonError(Exception):
-    """A request the daemon refuses: `status` is the HTTP status, `field` the body field at fault."""
-
-    def __init__(self, status: int, message: str, *, field: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.field = field
 
 
 def field_name(loc: Sequence[int | str]) -> str:
