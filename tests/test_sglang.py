@@ -151,6 +151,28 @@ def test_batch_exists_counts_the_leading_run_only(env: dict[str, Any]) -> None:
     kv.close()
 
 
+def test_a_page_stored_under_two_lineages_is_found_either_way(env: dict[str, Any]) -> None:
+    """A backup whose ancestors had no key yet passes a truncated chain (SGLang's
+    `get_prefix_hash_values` stops at a node without hashes): the same page at the root."""
+    pool = HostPool("layer_first")
+    kv = open_backend(env, pool)
+    keys = keys_for("twice", 3)
+    fill(pool, 0, 3, seed=7)
+    want = [page_bytes(pool, j * P) for j in range(3)]
+    assert kv.batch_set_v1(keys, slots(0, 3), info([])) == [True] * 3
+    assert kv.batch_set_v1(keys[2:], slots(2 * P, 1), info([])) == [True]
+    assert [n.depth for n in kv.catalog.prefixes_with_tokens(NS, page_symbols(keys[2:], P))] == [
+        0,
+        2,
+    ]
+    assert hit_query(kv, keys[:1], keys[2:]) == 1  # the lineage that agrees with the hint
+    assert page_transfer(kv, keys[:1], keys[2:], slots(8 * P, 1)) == [True]
+    assert hit_query(kv, [], keys[2:]) == 1
+    assert page_transfer(kv, [], keys[2:], slots(9 * P, 1)) == [True]
+    assert [page_bytes(pool, 8 * P), page_bytes(pool, 9 * P)] == [want[2], want[2]]
+    kv.close()
+
+
 def _blob_file(tmp_path: Path, kv: KvcHiCacheStorage, keys: list[str], page: int) -> Path:
     assert kv.fingerprint is not None
     h = prefix_hashes(NS, page_symbols(keys, P), P)[page]
