@@ -274,6 +274,13 @@ class CatalogAPI(Protocol):
         """The prefix and everything that extends it. `NotFoundError`."""
         ...
 
+    def prefixes_with_tokens(
+        self, namespace: str, tokens: Sequence[int] | np.ndarray[Any, Any], *, limit: int = 64
+    ) -> list[PrefixInfo]:
+        """The nodes whose own tokens are exactly `tokens`, whatever their parent, shallowest
+        first, at most `limit` (64 at most); none for an unknown namespace."""
+        ...
+
     def quarantine(
         self, namespace: str, prefix_hash: bytes, reason: str, *, actor: str | None = None
     ) -> list[InvalidationDirective]:

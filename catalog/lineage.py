@@ -15,20 +15,27 @@ from catalog.errors import (
 )
 from catalog.identity import (
     check_prefix_hash,
+    token_array,
 )
 from catalog.models import (
     InvalidationDirective,
     PrefixInfo,
 )
 from catalog.schema import (
+    HEAD_TOKENS,
     Chunk,
     PrefixNode,
     Replica,
     be_to_tokens,
+    tokens_to_be,
 )
 from catalog.transactions import Database
 
 log = logging.getLogger(__name__)
+
+# Nodes with the same tokens under different parents answered at most (a bound on the
+# answer, not a limit on what is stored).
+MAX_SAME_TOKENS = 64
 
 
 class Lineage:
@@ -82,6 +89,32 @@ class Lineage:
             raise NotFoundError(
                 f"prefix {prefix_hash.hex()} is not catalogued in namespace {namespace!r}"
             )
+        return [prefix_info(r) for r in rows]
+
+    def prefixes_with_tokens(
+        self, namespace: str, tokens: Any, *, limit: int = MAX_SAME_TOKENS
+    ) -> list[PrefixInfo]:
+        """The nodes of the namespace whose own tokens are exactly `tokens`, whatever their
+        parent: shallowest first, at most `limit`. One indexed query (namespace, tokens_head).
+
+        For chunks whose tokens already commit to their whole prefix (SGLang's page keys):
+        the caller finds a node from its tokens alone, then its chain with `lineage`.
+        """
+        arr = token_array(tokens)
+        with self.db.read() as conn:
+            ns = self.db.namespace(conn, namespace)
+            if ns is None:
+                return []
+            rows = conn.execute(
+                sa.select(PrefixNode)
+                .where(
+                    PrefixNode.namespace_id == ns[0],
+                    PrefixNode.tokens_head == tokens_to_be(arr[:HEAD_TOKENS]),
+                    PrefixNode.tokens_be == tokens_to_be(arr),
+                )
+                .order_by(PrefixNode.depth, PrefixNode.prefix_hash)
+                .limit(max(1, min(limit, MAX_SAME_TOKENS)))
+            ).all()
         return [prefix_info(r) for r in rows]
 
     def _descendants_cte(self, ns_id: int, prefix_hash: bytes) -> Any:

@@ -53,6 +53,7 @@ from catalog.wire import (
     MarkReplicaResponse,
     MatchModel,
     NamespaceResponse,
+    PrefixesWithTokensRequest,
     PrefixModel,
     PublishResponse,
     QuarantineResponse,
@@ -511,6 +512,14 @@ class RemoteCatalog:
 
     def descendants(self, namespace: str, prefix_hash: bytes) -> list[PrefixInfo]:
         resp = self._call("GET", namespace, f"prefixes/{_hash_path(prefix_hash)}/descendants")
+        return [p.to_info() for p in self._parse(resp, Lineage).prefixes]
+
+    def prefixes_with_tokens(
+        self, namespace: str, tokens: Sequence[int] | np.ndarray[Any, Any], *, limit: int = 64
+    ) -> list[PrefixInfo]:
+        tok = token_array(tokens)  # validates, as the catalog does
+        body = PrefixesWithTokensRequest(tokens=tok.tolist(), limit=max(1, min(limit, 64)))
+        resp = self._call("POST", namespace, "prefixes/with-tokens", body, read_only=True)
         return [p.to_info() for p in self._parse(resp, Lineage).prefixes]
 
     def quarantine(

@@ -138,6 +138,10 @@ class PrefixNode(Base):
     __table_args__ = (
         Index("ix_prefixes_parent_head", "parent_hash", "tokens_head"),
         Index("ix_prefixes_namespace", "namespace_id"),
+        # A node found by its own leading tokens whatever its parent: an engine whose
+        # chunk keys already commit to their prefix (SGLang's page keys) finds a page
+        # from its key alone (`prefixes_with_tokens`).
+        Index("ix_prefixes_namespace_head", "namespace_id", "tokens_head"),
         # Only the quarantined nodes (usually none): a lookup's walk excludes them
         # with one probe into this small index instead of reading each node's row.
         Index(

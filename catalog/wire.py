@@ -368,6 +368,11 @@ class Lineage(WireModel):
     prefixes: list[PrefixModel]
 
 
+class PrefixesWithTokensRequest(WireModel):
+    tokens: list[TokenId] = Field(min_length=1)
+    limit: int = Field(default=64, strict=True, ge=1, le=64)
+
+
 class QuarantineRequest(WireModel):
     prefix_hash: Hex64
     reason: Annotated[Reason, StringConstraints(min_length=1, strip_whitespace=True)]

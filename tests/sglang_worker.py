@@ -6,8 +6,18 @@ and `page_first` layouts. The real class cannot be built here: importing
 `sglang.srt.mem_cache.pool_host` pulls in `sglang.srt.configs`, which imports
 torchvision (a CUDA-matched build pinned to SGLang's torch).
 
+`hit_query` and `page_transfer` call the backend with the arguments sglang
+0.5.23's cache controllers send when a request prefetches from storage
+(SGLang's own controllers cannot be imported here: `sglang.srt.managers.cache_controller`
+pulls in its quantization layers, which import gguf and more of its pinned set).
+The anchor is the deepest node of SGLang's radix tree already on the host; the
+scheduler passes `get_prefix_hash_values(anchor)`: the keys of the anchor's
+ancestors, *without* the anchor's own pages, `[]` when the anchor is the root or
+a child of it.
+
 Run as a script (a new process): open the backend from a JSON config through
-SGLang's own factory, look the pages up, load them, print their bytes as hex.
+SGLang's own factory, ask for the pages as SGLang does after a restart, load
+them, print their bytes as hex.
 """
 
 from __future__ import annotations
@@ -17,7 +27,11 @@ import sys
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo
+from sglang.srt.mem_cache.hicache_storage import (
+    STORAGE_BATCH_SIZE,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 
 from restore.engines.sglang import KvcHiCacheStorage
@@ -100,18 +114,43 @@ def open_backend(extra: dict[str, Any], pool: HostPool, **kw: Any) -> KvcHiCache
     return backend
 
 
+def hit_query(backend: KvcHiCacheStorage, prefix_keys: list[str], keys: list[str]) -> int:
+    """How many pages of `keys` storage holds, asked as `HybridCacheController._storage_hit_query`
+    asks (mem_cache/hybrid_cache/hybrid_cache_controller.py): one `batch_exists` over every
+    key, `prefix_keys` copied when non-empty and None otherwise, so None at the root."""
+    info = HiCacheStorageExtraInfo(prefix_keys=prefix_keys.copy() if prefix_keys else None)
+    return backend.batch_exists(keys, info)
+
+
+def page_transfer(
+    backend: KvcHiCacheStorage, prefix_keys: list[str], keys: list[str], host_indices: torch.Tensor
+) -> list[bool]:
+    """Load `keys` as `CacheController._page_transfer` does (managers/cache_controller.py):
+    `batch_get_v1` per STORAGE_BATCH_SIZE keys with the operation's `prefix_keys` (the same
+    list the hit query had, `[]` at the root), extended by each batch; a short batch ends it."""
+    page = len(host_indices) // max(1, len(keys))
+    out: list[bool] = []
+    for i in range(0, len(keys), STORAGE_BATCH_SIZE):
+        batch = keys[i : i + STORAGE_BATCH_SIZE]
+        idx = host_indices[i * page : (i + len(batch)) * page]
+        got = backend.batch_get_v1(batch, idx, HiCacheStorageExtraInfo(prefix_keys=prefix_keys))
+        out.extend(got)
+        if not all(got):
+            break
+        prefix_keys = prefix_keys + batch
+    return out + [False] * (len(keys) - len(out))
+
+
 def main() -> None:
     args = json.loads(sys.argv[1])
     pool = HostPool(args["layout"])
     backend = open_backend(args["extra"], pool)
-    keys = args["keys"]
-    info = HiCacheStorageExtraInfo(prefix_keys=[])
-    hits = backend.batch_exists(keys, info)
-    idx = torch.arange(len(keys) * pool.page_size)
-    loaded = backend.batch_get_v1(keys, idx, HiCacheStorageExtraInfo(prefix_keys=[]))
+    keys, prefix = args["keys"], args.get("prefix", [])
+    hits = hit_query(backend, prefix, keys)
+    loaded = page_transfer(backend, prefix, keys[:hits], torch.arange(hits * pool.page_size))
     pages = [
         pool.get_data_page(i * pool.page_size).view(torch.uint8).numpy().tobytes().hex()
-        for i in range(len(keys))
+        for i in range(hits)
     ]
     backend.close()
     print(json.dumps({"hits": hits, "loaded": loaded, "pages": pages}))

@@ -373,6 +373,36 @@ def test_lineage_and_descendants(impl: Impl) -> None:
         cat.lineage(NS, b"short")
 
 
+def test_a_node_is_found_by_its_own_tokens_whatever_its_parent(impl: Impl) -> None:
+    """What SGLang's backend asks: a page whose tokens commit to its prefix, from them alone."""
+    cat = impl.cat
+    recs = chain_records(NS, TOKENS)
+    cat.record_chunks(recs)
+    # The same tokens under another parent (at the root): a second node, shallower.
+    moved = chain_records(NS, [*TOKENS[4:8], *TOKENS[:4]])
+    cat.record_chunks(moved)
+    found = cat.prefixes_with_tokens(NS, TOKENS[4:8])
+    assert [p.prefix_hash for p in found] == [moved[0].prefix_hash, recs[1].prefix_hash]
+    assert [(p.depth, p.token_start) for p in found] == [(0, 0), (1, 4)]
+    assert [p.prefix_hash for p in cat.prefixes_with_tokens(NS, TOKENS[4:8], limit=1)] == [
+        moved[0].prefix_hash
+    ]
+    # Exactly its tokens: a tail is found by its two, a chunk not by its first two.
+    assert [p.prefix_hash for p in cat.prefixes_with_tokens(NS, TOKENS[16:])] == [
+        recs[4].prefix_hash
+    ]
+    assert cat.prefixes_with_tokens(NS, TOKENS[:2]) == []
+    # Never across namespaces.
+    cat.ensure_namespace(OTHER, CS)
+    cat.record_chunks(chain_records(OTHER, TOKENS[8:12]))
+    assert [p.prefix_hash for p in cat.prefixes_with_tokens(NS, TOKENS[8:12])] == [
+        recs[2].prefix_hash
+    ]
+    assert cat.prefixes_with_tokens(OTHER, TOKENS[:4]) == []
+    with pytest.raises(IdentityError):
+        cat.prefixes_with_tokens(NS, [])
+
+
 def test_quarantine_makes_a_subtree_unrestorable(impl: Impl) -> None:
     cat = impl.cat
     recs = chain_records(NS, TOKENS)

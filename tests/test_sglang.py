@@ -3,6 +3,9 @@
 The backend is built by SGLang's own dynamic factory (`StorageBackendFactory`,
 sglang 0.5.23) from the extra config a user pastes; the host pool is a faithful
 minimal MHA host pool (tests/sglang_worker.py says why not the real class).
+Reads are asked with the arguments SGLang's controllers send (`hit_query`,
+`page_transfer`): `prefix_keys=None` at the root, the anchor's ancestors only
+below it; writes with those of its backup (the node's ancestors, `[]` at the root).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from catalog import Catalog, prefix_hashes
 from restore.engines.sglang import KvcHiCacheStorage, page_symbols
 from restore.errors import InputError, UnsupportedModelError
 from tests.rebuild_helpers import kvc_rebuild, lose_catalog, names
-from tests.sglang_worker import HostPool, open_backend
+from tests.sglang_worker import HostPool, hit_query, open_backend, page_transfer
 
 NS = "sglang-test"
 P = 8
@@ -88,10 +91,18 @@ def test_pages_set_then_get_bit_for_bit_with_lineage_in_the_catalog(env: dict[st
         # SGLang writes a sequence in batches; the second batch names the pages before it.
         assert kv.batch_set_v1(keys[:3], slots(0, 3), info([])) == [True] * 3
         assert kv.batch_set_v1(keys[3:], slots(3 * P, 2), info(keys[:3])) == [True] * 2
-        assert kv.batch_exists(keys, info([])) == 5
-        assert kv.batch_get_v1(keys[:2], slots(8 * P, 2), info([])) == [True, True]
-        assert kv.batch_get_v1(keys[2:], slots(10 * P, 3), info(keys[:2])) == [True] * 3
+        # A request from the root: SGLang asks with prefix_keys=None, then loads with [].
+        assert hit_query(kv, [], keys[:2]) == 2
+        assert page_transfer(kv, [], keys[:2], slots(8 * P, 2)) == [True, True]
+        # A request anchored at the node holding pages 0-1 (a child of the root): SGLang
+        # passes its ancestors, none, not the anchor's own pages.
+        assert hit_query(kv, [], keys[2:]) == 3
+        assert page_transfer(kv, [], keys[2:], slots(10 * P, 3)) == [True] * 3
         assert [page_bytes(pool, (8 + j) * P) for j in range(5)] == want
+        # Anchored deeper, at a node holding page 2 under the node of pages 0-1: keys[:2].
+        assert hit_query(kv, keys[:2], keys[3:]) == 2
+        assert page_transfer(kv, keys[:2], keys[3:], slots(13 * P, 2)) == [True, True]
+        assert [page_bytes(pool, (13 + j) * P) for j in range(2)] == want[3:]
         # Each page is a chunk whose parent is the previous page, its key first in its symbols.
         cat = kv.catalog
         head = prefix_hashes(extra["namespace"], page_symbols(keys, P), P)[-1]
@@ -117,8 +128,8 @@ def test_pages_round_trip_through_postgresql_and_a_real_s3(env: dict[str, Any]) 
     fill(pool, 0, 3, seed=2)
     want = [page_bytes(pool, j * P) for j in range(3)]
     assert kv.batch_set_v1(keys, slots(0, 3), info([])) == [True] * 3
-    assert kv.batch_exists(keys, info([])) == 3
-    assert kv.batch_get_v1(keys, slots(4 * P, 3), info([])) == [True] * 3
+    assert hit_query(kv, [], keys) == 3
+    assert page_transfer(kv, [], keys, slots(4 * P, 3)) == [True] * 3
     assert [page_bytes(pool, (4 + j) * P) for j in range(3)] == want
     kv.close()
 
@@ -130,9 +141,35 @@ def test_batch_exists_counts_the_leading_run_only(env: dict[str, Any]) -> None:
     fill(pool, 0, 4, seed=3)
     assert kv.batch_set_v1(keys, slots(0, 4), info([])) == [True] * 4
     other = keys_for("other", 1)[0]
-    assert kv.batch_exists([*keys[:2], other, keys[3]], info([])) == 2
-    assert kv.batch_exists(keys[1:], info([])) == 0  # not at the sequence start: another page
-    assert kv.batch_exists(keys[2:], info(keys[:2])) == 2
+    assert hit_query(kv, [], [*keys[:2], other, keys[3]]) == 2
+    # A page is found from its key whatever SGLang passes: the key commits to its prefix.
+    assert hit_query(kv, [], keys[1:]) == 3
+    assert hit_query(kv, keys[:1], keys[2:]) == 2  # the anchor's ancestors only
+    assert hit_query(kv, keys[:2], keys[2:]) == 2  # every page before them
+    assert kv.batch_exists(keys[2:], info(keys_for("unrelated", 2))) == 2  # a wrong hint
+    assert hit_query(kv, [], [other, *keys]) == 0  # the leading run only
+    kv.close()
+
+
+def test_a_page_stored_under_two_lineages_is_found_either_way(env: dict[str, Any]) -> None:
+    """A backup whose ancestors had no key yet passes a truncated chain (SGLang's
+    `get_prefix_hash_values` stops at a node without hashes): the same page at the root."""
+    pool = HostPool("layer_first")
+    kv = open_backend(env, pool)
+    keys = keys_for("twice", 3)
+    fill(pool, 0, 3, seed=7)
+    want = [page_bytes(pool, j * P) for j in range(3)]
+    assert kv.batch_set_v1(keys, slots(0, 3), info([])) == [True] * 3
+    assert kv.batch_set_v1(keys[2:], slots(2 * P, 1), info([])) == [True]
+    assert [n.depth for n in kv.catalog.prefixes_with_tokens(NS, page_symbols(keys[2:], P))] == [
+        0,
+        2,
+    ]
+    assert hit_query(kv, keys[:1], keys[2:]) == 1  # the lineage that agrees with the hint
+    assert page_transfer(kv, keys[:1], keys[2:], slots(8 * P, 1)) == [True]
+    assert hit_query(kv, [], keys[2:]) == 1
+    assert page_transfer(kv, [], keys[2:], slots(9 * P, 1)) == [True]
+    assert [page_bytes(pool, 8 * P), page_bytes(pool, 9 * P)] == [want[2], want[2]]
     kv.close()
 
 
@@ -160,22 +197,26 @@ def test_a_corrupt_page_is_a_miss_never_bad_bytes_and_is_marked(
     path.write_bytes(bytes(data))
     sentinel = torch.full((3 * P,), 7.0).to(pool.dtype)
     pool.kv_buffer[:, :, 8 * P : 11 * P] = sentinel.view(1, 1, -1, 1, 1)
-    assert kv.batch_get_v1(keys, slots(8 * P, 3), info([])) == [True, False, False]
+    assert page_transfer(kv, [], keys, slots(8 * P, 3)) == [True, False, False]
     assert page_bytes(pool, 8 * P) == want[0]
     assert torch.equal(
         pool.get_data_page(9 * P, flat=False),
         torch.full_like(pool.get_data_page(9 * P, flat=False), 7.0),
     )
     # The replica is marked corrupt: the exists run now ends before it, for every process.
-    assert kv.batch_exists(keys, info([])) == 1
+    assert hit_query(kv, [], keys) == 1
+    assert get_in_new_process(env, keys)["hits"] == 1
     marks = [e for e in kv.catalog.events(namespace=NS) if "corrupt" in json.dumps(e.details)]
     assert [e.actor for e in marks] == ["sglang:tp0"]
     kv.close()
 
 
-def get_in_new_process(env: dict[str, Any], keys: list[str]) -> dict[str, Any]:
-    """What a new SGLang process (tests/sglang_worker.py) finds and reads of these pages."""
-    args = json.dumps({"layout": "page_first", "extra": env, "keys": keys})
+def get_in_new_process(
+    env: dict[str, Any], keys: list[str], prefix: list[str] | None = None
+) -> dict[str, Any]:
+    """What a new SGLang process (tests/sglang_worker.py) finds and reads of these pages,
+    asked from an anchor whose ancestors are `prefix` (default: the root)."""
+    args = json.dumps({"layout": "page_first", "extra": env, "keys": keys, "prefix": prefix or []})
     out = subprocess.run(
         [sys.executable, "-m", "tests.sglang_worker", args],
         capture_output=True,
@@ -195,8 +236,18 @@ def test_a_new_process_sees_every_page(env: dict[str, Any]) -> None:
     want = [page_bytes(pool, j * P).hex() for j in range(4)]
     assert kv.batch_set_v1(keys, slots(0, 4), info([])) == [True] * 4
     kv.close()
+    # After a restart SGLang's radix tree is empty: every lookup is anchored at the root.
     result = get_in_new_process(env, keys)
     assert result == {"hits": 4, "loaded": [True] * 4, "pages": want}
+    # Once pages 0-1 are back on the host as a node, the rest is asked from that anchor.
+    result = get_in_new_process(env, keys[2:])
+    assert result == {"hits": 2, "loaded": [True] * 2, "pages": want[2:]}
+    # And from a deeper anchor (page 2 under the node of pages 0-1): its ancestors only.
+    result = get_in_new_process(env, keys[3:], prefix=keys[:2])
+    assert result == {"hits": 1, "loaded": [True], "pages": want[3:]}
+    # A key this catalog does not hold ends the run.
+    result = get_in_new_process(env, [keys[0], keys_for("elsewhere", 1)[0], *keys[1:]])
+    assert result == {"hits": 1, "loaded": [True], "pages": want[:1]}
 
 
 def _chunks(kv: KvcHiCacheStorage) -> int:
@@ -220,8 +271,8 @@ def test_bad_input_is_refused_or_missed_and_changes_nothing(env: dict[str, Any])
     assert kv.batch_get_v1(unknown, slots(4 * P, 2), info([])) == [False, False]
     assert kv.get(unknown[0], pool.get_dummy_flat_data_page()) is None
     assert not kv.exists(unknown[0])
-    # Without the preceding keys SGLang did not say where the pages are: miss, not stored.
-    assert kv.batch_exists(keys, None) == 0
+    assert kv.batch_exists(unknown, None) == 0
+    # A write without the preceding keys cannot be placed (its parent is unknown): refused.
     assert kv.batch_set_v1(unknown, slots(0, 2), info(None)) == [False, False]
     # A page whose parent kvc does not hold is refused (its lineage would be broken).
     assert kv.batch_set_v1(unknown[1:], slots(0, 1), info(unknown[:1])) == [False]

@@ -39,6 +39,7 @@ def body_caps(max_prompt_tokens: int, max_body_bytes: int) -> dict[str, int]:
     return {
         "lookup": min(max_body_bytes, LOOKUP_ENVELOPE + max_prompt_tokens * TOKEN_BYTES),
         "known": min(max_body_bytes, KNOWN_ENVELOPE + max_prompt_tokens * HASH_BYTES),
+        "with-tokens": min(max_body_bytes, LOOKUP_ENVELOPE + max_prompt_tokens * TOKEN_BYTES),
     }
 
 

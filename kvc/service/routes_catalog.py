@@ -26,6 +26,7 @@ from catalog.wire import (
     MatchModel,
     NamespaceRequest,
     NamespaceResponse,
+    PrefixesWithTokensRequest,
     PrefixModel,
     PublishRequest,
     PublishResponse,
@@ -191,6 +192,16 @@ def lineage(ns: Ns, prefix_hash: Hex64, catalog: Cat) -> Lineage:
 def descendants(ns: Ns, prefix_hash: Hex64, catalog: Cat) -> Lineage:
     """The prefix and every prefix that extends it."""
     found = catalog.descendants(ns, bytes.fromhex(prefix_hash))
+    return Lineage(prefixes=[PrefixModel.of(p) for p in found])
+
+
+@router.post("/prefixes/with-tokens", response_model=Lineage, responses=refusals(413))
+def prefixes_with_tokens(
+    ns: Ns, body: PrefixesWithTokensRequest, catalog: Cat, limit: Limit
+) -> Lineage:
+    """The prefixes whose own tokens are exactly these, whatever their parent, shallowest first."""
+    limit.check(len(body.tokens))
+    found = catalog.prefixes_with_tokens(ns, np.asarray(body.tokens, dtype="<u4"), limit=body.limit)
     return Lineage(prefixes=[PrefixModel.of(p) for p in found])
 
 

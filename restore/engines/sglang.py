@@ -24,14 +24,18 @@ size must be at least 8 to hold the whole key (a smaller one is refused).
 
 Lineage. A page's parent is the previous page of the same sequence, so a page's
 kvc prefix hash is the chain over the symbols of every page from the sequence
-start. SGLang passes those preceding keys in `extra_info.prefix_keys` to
-`batch_exists`, `batch_get_v1` and `batch_set_v1` when
-`hicache_storage_pass_prefix_keys` is true (and uses the v1 calls when
-`interface_v1` is 1): both are required. A call without them cannot be placed
-and is a miss (reads) or refused (writes), never stored at a made-up position.
-The single-key calls (`get`, `set`, `exists`, `batch_get`, `batch_set`) carry no
-context: they serve keys whose place this backend learned from such a call
-(`_places`, bounded), and miss on any other.
+start. Writes take those preceding keys from `extra_info.prefix_keys`, which
+SGLang's backup passes (the node's ancestors, `[]` at the root) when
+`hicache_storage_pass_prefix_keys` is true; a write without them cannot be placed
+and is refused, never stored at a made-up position. Reads find a page from its
+key alone: a key commits to its whole prefix, so the catalog's node whose own
+symbols are that key (`prefixes_with_tokens`, one indexed query in the namespace)
+and its lineage give the keys before it. `prefix_keys` is only a hint there, as
+SGLang 0.5.23 sends it: None for a lookup at the root (every lookup after a
+restart), and for a deeper anchor the anchor's ancestors without the anchor's own
+pages. The single-key calls (`get`, `set`, `exists`, `batch_get`, `batch_set`)
+carry no context: reads find their page the same way, a `set` serves keys whose
+place this backend learned from an earlier call (`_places`, bounded).
 
 Everything else is kvc's own pipeline: a write is `Checkpointer.checkpoint_snapshot`
 over the host pool's pages (bytes durable, then catalogued; pages already
@@ -66,10 +70,10 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from catalog import AttentionLayout, Fingerprint
 from catalog.connect import connect
-from catalog.errors import CatalogError
+from catalog.errors import CatalogError, NotFoundError
 from catalog.identity import is_hex64
 from catalog.lru import LRU
-from catalog.models import Shard
+from catalog.models import Match, Shard
 from chunkstore import open_store
 from chunkstore.record import check_finite
 from restore.checkpoint import Checkpointer
@@ -85,10 +89,18 @@ __all__ = ["KvcHiCacheStorage", "page_symbols"]
 log = logging.getLogger(__name__)
 
 KEY_WORDS = 8  # a 32-byte SGLang page key as uint32 words
+# Lineages of one page key tried per call: a key commits to its prefix, so there is one
+# unless a writer placed the page with a truncated `prefix_keys`.
+MAX_LINEAGES = 4
 LAYOUTS = ("layer_first", "page_first")
 # Page -> [L, 2, P, H, D] (a kvc payload) and back, per host layout of kv_buffer.
 _TO_PAYLOAD = {"layer_first": (1, 0, 2, 3, 4), "page_first": (2, 0, 1, 3, 4)}
 _TO_HOST = {"layer_first": (1, 0, 2, 3, 4), "page_first": (1, 2, 0, 3, 4)}
+
+
+def _page_key(symbols: tuple[int, ...]) -> str:
+    """The SGLang page key a page's chain symbols hold (`page_symbols`' inverse for one page)."""
+    return np.asarray(symbols[:KEY_WORDS], dtype=">u4").tobytes().hex()
 
 
 def page_symbols(keys: list[str], page_size: int) -> np.ndarray[Any, np.dtype[np.uint32]]:
@@ -319,17 +331,11 @@ class KvcHiCacheStorage(HiCacheStorage):
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
-        """How many leading `keys` are catalogued with a readable replica (not marked corrupt)."""
-        chain = self._chain(keys, extra_info)
-        if chain is None or not keys:
-            return 0
-        symbols, base = chain
-        restorer, fp = self._ready()
-        match = self.catalog.lookup(
-            self.namespace, fp, np.append(symbols, np.uint32(0)), shard=self.shard
-        )
-        readable = restorer.readable_prefix(match)[0]
-        return max(0, min(len(keys), readable // self.page_size - base))
+        """How many leading `keys` are catalogued with a readable replica (not marked corrupt).
+
+        Found from the keys alone (`_resolve`): `prefix_keys` is a hint, and SGLang passes
+        None at the root and only the anchor's ancestors below it."""
+        return self._resolve(keys, extra_info)[2] if keys else 0
 
     def batch_get_v1(
         self,
@@ -432,13 +438,13 @@ class KvcHiCacheStorage(HiCacheStorage):
     def _chain(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None
     ) -> tuple[np.ndarray[Any, np.dtype[np.uint32]], int] | None:
-        """The chain symbols of the call's sequence and how many pages precede `keys`, or
-        None (logged) when SGLang did not pass the preceding keys."""
+        """For a write: the chain symbols of the call's sequence and how many pages precede
+        `keys`, from `prefix_keys`, or None (logged) when SGLang did not pass them."""
         prefix = extra_info.prefix_keys if extra_info is not None else None
         if prefix is None:
             log.error(
-                "kvc needs the keys of the pages before each call: set "
-                '"hicache_storage_pass_prefix_keys": true in the extra config (treated as a miss)'
+                "kvc needs the keys of the pages before each write: set "
+                '"hicache_storage_pass_prefix_keys": true in the extra config (not stored)'
             )
             return None
         chain = [*prefix, *keys]
@@ -446,6 +452,55 @@ class KvcHiCacheStorage(HiCacheStorage):
         for i, key in enumerate(chain):
             self._places.put(key, chain[i - 1] if i else "")
         return symbols, len(prefix)
+
+    def _resolve(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None
+    ) -> tuple[tuple[np.ndarray[Any, np.dtype[np.uint32]], int] | None, Match | None, int]:
+        """Where `keys` are stored: (their sequence's chain symbols and how many pages precede
+        `keys`, the catalog's match of it, how many leading `keys` are readable).
+
+        A page key commits to its whole prefix, so the page of `keys[0]` is found from its
+        key alone (`prefixes_with_tokens`) and the keys before it are read from its lineage.
+        `prefix_keys` is only a hint: SGLang passes None for a lookup at the root, and for
+        a deeper anchor the anchor's ancestors without the anchor's own pages. Where a page
+        is stored under more than one lineage, one that agrees with the hint is tried first.
+        """
+        hint = extra_info.prefix_keys if extra_info is not None else None
+        p = self.page_size
+        page_symbols([*(hint or []), *keys], p)  # validates every key first
+        restorer, fp = self._ready()
+        best: tuple[Any, Match | None, int] = (None, None, 0)
+        for ancestors in self._stored_ancestors(keys[0], hint)[:MAX_LINEAGES]:
+            chain = [*ancestors, *keys]
+            symbols, base = page_symbols(chain, p), len(ancestors)
+            match = self.catalog.lookup(
+                self.namespace, fp, np.append(symbols, np.uint32(0)), shard=self.shard
+            )
+            readable = restorer.readable_prefix(match)[0]
+            hits = max(0, min(len(keys), readable // p - base))
+            if hits > best[2]:
+                best = ((symbols, base), match, hits)
+                for i, key in enumerate(chain[: base + hits]):
+                    self._places.put(key, chain[i - 1] if i else "")
+            if hits == len(keys):
+                break
+        return best
+
+    def _stored_ancestors(self, key: str, hint: list[str] | None = None) -> list[list[str]]:
+        """The keys before `key` in each sequence the catalog holds its page in (usually one),
+        those that agree with `hint` (a prefix of them, as SGLang passes) first."""
+        found: list[list[str]] = []
+        for node in self.catalog.prefixes_with_tokens(
+            self.namespace, page_symbols([key], self.page_size), limit=MAX_LINEAGES
+        ):
+            try:
+                line = self.catalog.lineage(self.namespace, node.prefix_hash)
+            except NotFoundError:  # removed since (GC, purge): not a place any more
+                continue
+            found.append([_page_key(n.tokens) for n in line[:-1]])
+        if hint:
+            found.sort(key=lambda a: a[: len(hint)] != hint)
+        return found
 
     def _learned_prefix(self, key: str) -> list[str] | None:
         """The keys before `key` in its sequence, as learned from earlier calls, or None."""
@@ -456,8 +511,9 @@ class KvcHiCacheStorage(HiCacheStorage):
         while parent:
             prefix.append(parent)
             parent = self._places.get(parent)
-        if parent is None:
-            return None  # never seen, or an ancestor was forgotten
+        if parent is None:  # never seen, or an ancestor was forgotten: the catalog knows
+            stored = self._stored_ancestors(key)
+            return stored[0] if stored else None
         return prefix[::-1]
 
     def _pages(self, buffer: torch.Tensor, base: int, starts: list[int]) -> _HostPages:
@@ -471,20 +527,17 @@ class KvcHiCacheStorage(HiCacheStorage):
         starts: list[int],
     ) -> list[bool]:
         """Restore the leading verified pages of `keys` into `buffer` at `starts`."""
-        chain = self._chain(keys, extra_info)
-        if chain is None or not keys:
+        if not keys:
+            return []
+        restorer, fp = self._ready()
+        chain, match, hits = self._resolve(keys, extra_info)
+        if chain is None or match is None or not hits:
             return [False] * len(keys)
         symbols, base = chain
-        restorer, fp = self._ready()
         pages = self._pages(buffer, base, starts)
         p = self.page_size
-        match = self.catalog.lookup(
-            self.namespace, fp, np.append(symbols, np.uint32(0)), shard=self.shard
-        )
-        if match.matched_tokens < (base + 1) * p:
-            return [False] * len(keys)
         # Only the call's pages are read: the preceding ones are in SGLang's host memory.
-        ours = dataclasses.replace(match, chunks=match.chunks[base:])
+        ours = dataclasses.replace(match, chunks=match.chunks[base : base + hits])
         restorer.restore_into(pages, symbols, fp, self.shard, match=ours)
         loaded = max(0, min(len(keys), pages.committed // p - base))
         return [True] * loaded + [False] * (len(keys) - loaded)
