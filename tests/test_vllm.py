@@ -4,7 +4,9 @@ per-layer layout, bit for bit, with a corrupted chunk reported for recomputation
 
 from __future__ import annotations
 
+import logging
 import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +27,17 @@ from vllm.config import (  # noqa: E402
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.lora.request import LoRARequest  # noqa: E402
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    SlidingWindowSpec,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from catalog.catalog import Catalog  # noqa: E402
@@ -74,12 +79,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def vllm_config(model_dir: Path, tmp: Path, **extra: Any) -> VllmConfig:
+def vllm_config(
+    model_dir: Path, tmp: Path, *, policy: str = "recompute", **extra: Any
+) -> VllmConfig:
+    """docs/engines.md's configuration (`kv_load_failure_policy="recompute"`) over `tmp`."""
     Catalog.open(f"sqlite:///{tmp / 'catalog.db'}", upgrade=True).close()  # `kvc init`
     kv = KVTransferConfig(
         kv_connector="KvcConnector",
         kv_connector_module_path="restore.engines.vllm",
         kv_role="kv_both",
+        kv_load_failure_policy=policy,
         kv_connector_extra_config={
             "catalog": f"sqlite:///{tmp / 'catalog.db'}",
             "stores": [f"file://{tmp / 'blobs'}"],
@@ -103,13 +112,13 @@ def vllm_config(model_dir: Path, tmp: Path, **extra: Any) -> VllmConfig:
     )
 
 
-def kv_cache_config() -> KVCacheConfig:
+def kv_cache_config(num_blocks: int = NUM_BLOCKS) -> KVCacheConfig:
     names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
     spec = FullAttentionSpec(
         block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.float16
     )
     return KVCacheConfig(
-        num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)]
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names, spec)]
     )
 
 
@@ -240,18 +249,20 @@ def test_a_corrupted_chunk_reports_its_blocks_and_writes_no_bytes(model_dir: Pat
     cat.close()
 
 
-def make_scheduler(config: VllmConfig) -> Scheduler:
-    config.cache_config.num_gpu_blocks = NUM_BLOCKS
+def make_scheduler(config: VllmConfig, num_blocks: int = NUM_BLOCKS) -> Scheduler:
+    config.cache_config.num_gpu_blocks = num_blocks
     return Scheduler(
         vllm_config=config,
-        kv_cache_config=kv_cache_config(),
+        kv_cache_config=kv_cache_config(num_blocks),
         log_stats=False,
         structured_output_manager=StructuredOutputManager(config),
         block_size=BLOCK,
     )
 
 
-def request(req_id: str, tokens: list[int]) -> Request:
+def request(req_id: str, tokens: list[int], **kwargs: Any) -> Request:
+    """A request as vLLM's engine core builds it (`lora_request`, `mm_features`, `cache_salt`
+    as keyword arguments of `Request`)."""
     params = SamplingParams(max_tokens=4)
     params.update_from_generation_config({}, EOS)
     return Request(
@@ -259,6 +270,7 @@ def request(req_id: str, tokens: list[int]) -> Request:
         prompt_token_ids=tokens,
         sampling_params=params,
         pooling_params=None,
+        **kwargs,
     )
 
 
@@ -494,3 +506,214 @@ def test_the_second_store_gets_a_write_behind_copy(
             assert set(cat.replicas_at(s3.name, namespace="vllm")) >= set(keys)
     finally:
         s3.close()
+
+
+def drive(
+    sched: Scheduler,
+    w: KvcConnector,
+    *,
+    until: Any,
+    on_step: Any = None,
+    deadline_s: float = 20.0,
+) -> list[Any]:
+    """vLLM's engine loop with a CPU model runner that samples token 1: each step the scheduler
+    schedules, the worker side runs the step's loads and saves, and the runner's output carries
+    what the worker reports (saves read, blocks that failed to load) back to the scheduler.
+    Returns the scheduler outputs, until `until()` holds."""
+    outs = []
+    stop = time.monotonic() + deadline_s
+    while not until():
+        assert time.monotonic() < stop, {r: (q.status, q.num_computed_tokens) for r, q in sched.requests.items()}
+        out = sched.schedule()
+        outs.append(out)
+        meta = out.kv_connector_metadata
+        assert isinstance(meta, KvcConnectorMetadata)
+        run_step(w, meta)
+        if on_step is not None:
+            on_step(out)
+        sending, _ = w.get_finished(set())
+        invalid = w.get_block_ids_with_load_errors()
+        req_ids = list(out.num_scheduled_tokens)
+        output = runner_output(req_ids, token=1, finished_sending=sending)
+        if invalid:
+            from vllm.v1.outputs import KVConnectorOutput
+
+            output.kv_connector_output = KVConnectorOutput(
+                finished_sending=sending, invalid_block_ids=invalid
+            )
+        sched.update_from_output(out, output)
+    return outs
+
+
+def test_requests_vllm_keys_on_more_than_token_ids_are_never_loaded_nor_saved(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """A LoRA adapter, an image at its placeholders or a cache salt make vLLM's own block hashes
+    differ for the same token ids: kvc offers them nothing and saves nothing, and counts why."""
+    config = vllm_config(model_dir, tmp_path)
+    src = worker(config, kv_caches(fill=True))
+    stored = list(range(1, 129))
+    save(src, stored, list(range(0, 8)))
+    src.shutdown()
+
+    prompt = [*stored, *range(300, 340)]  # 168 tokens: 128 stored, 160 in whole blocks
+    image = MultiModalFeatureSpec(
+        data=None,
+        modality="image",
+        identifier="image-a",
+        mm_position=PlaceholderRange(offset=16, length=32),
+    )
+    sched = make_scheduler(config)
+    w = worker(config, kv_caches(fill=False))
+    sched.add_request(request("plain", prompt))
+    sched.add_request(request("lora", prompt, lora_request=LoRARequest("adapter", 1, "/adapters/a")))
+    sched.add_request(request("salted", prompt, cache_salt="tenant-a"))
+    sched.add_request(request("image", prompt, mm_features=[image]))
+    loads: list[LoadSpec] = []
+    saves: list[SaveSpec] = []
+
+    def record(out: Any) -> None:
+        loads.extend(out.kv_connector_metadata.loads)
+        saves.extend(out.kv_connector_metadata.saves)
+
+    # A text-only model has no encoder to run the image: vLLM computes up to its placeholder,
+    # and the request ends aborted (request_finished all the same).
+    drive(sched, w, until=lambda: set(sched.requests) == {"image"}, on_step=record)
+    sched.finish_requests("image", RequestStatus.FINISHED_ABORTED)
+    drive(sched, w, until=lambda: not sched.has_requests(), on_step=record)
+    assert [(load.req_id, load.start, load.end) for load in loads] == [("plain", 0, 128)]
+    assert [(s.req_id, len(s.token_ids)) for s in saves] == [("plain", 160)]
+    connector = sched.get_kv_connector()
+    assert isinstance(connector, KvcConnector)
+    assert connector.skipped == {"lora": 1, "cache_salt": 1, "multimodal": 1}
+    assert connector._skipping == set()  # forgotten once finished
+    sched.shutdown()
+    w.shutdown()
+
+
+def test_a_request_with_prompt_embeds_is_skipped(model_dir: Path, tmp_path: Path) -> None:
+    config = vllm_config(model_dir, tmp_path)
+    c = KvcConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
+    params = SamplingParams(max_tokens=4)
+    req = Request("embeds", None, params, None, prompt_embeds=torch.zeros(40, 64))
+    assert c.get_num_new_matched_tokens(req, 0) == (0, False)
+    req.num_computed_tokens = 40
+    assert c.request_finished(req, [1, 2, 3]) == (False, None)
+    assert c.skipped == {"prompt_embeds": 1}
+    c.shutdown()
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_a_preempted_request_gets_its_load_again_when_resumed(
+    model_dir: Path, tmp_path: Path, runner: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM preempts a request that loaded a prefix (its blocks freed and reused), then resumes
+    it: for the V1 model runner through `scheduled_cached_reqs` (`resumed_req_ids`), for V2 as a
+    new request. Either way the load is in that step's metadata, into the blocks it holds now,
+    and the prefix is in them."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0" if runner == "v1" else "1")
+    config = vllm_config(model_dir, tmp_path)
+    src_caches = kv_caches(fill=True)
+    src = worker(config, src_caches)
+    stored = list(range(1, 129))  # 8 blocks
+    save(src, stored, list(range(0, 8)))
+    src.shutdown()
+
+    config.cache_config.enable_prefix_caching = False  # a resume finds nothing in vLLM's own cache
+    sched = make_scheduler(config, num_blocks=20)  # 19 usable: two 9-block prompts, then too few
+    assert sched.use_v2_model_runner == (runner == "v2")
+    caches = kv_caches(fill=False)
+    w = worker(config, caches)
+    sched.add_request(request("other", [400 + i for i in range(144)]))
+    sched.add_request(request("hit", [*stored, *range(300, 316)]))  # 144 tokens
+    loads: list[tuple[str, LoadSpec]] = []
+
+    def record(out: Any) -> None:
+        meta = out.kv_connector_metadata
+        for load in meta.loads:
+            resumed = load.req_id in out.scheduled_cached_reqs.resumed_req_ids
+            loads.append(("resumed" if resumed else "new", load))
+            if resumed:
+                i = out.scheduled_cached_reqs.req_ids.index(load.req_id)
+                assert list(load.block_ids) == list(out.scheduled_cached_reqs.new_block_ids[i][0])
+        if sched.requests.get("hit") is not None and sched.requests["hit"].status == RequestStatus.PREEMPTED:
+            for t in caches.values():
+                t.zero_()  # its blocks are free: whatever was in them is gone
+
+    drive(sched, w, until=lambda: not sched.has_requests(), on_step=record)
+    assert sched.requests.get("hit") is None
+    assert [(kind, load.req_id, load.start, load.end) for kind, load in loads] == [
+        ("new", "hit", 0, 128),
+        ("resumed" if runner == "v1" else "new", "hit", 0, 128),
+    ]
+    resumed = loads[1][1]
+    got = positions(caches, list(resumed.block_ids), 128)
+    want = positions(src_caches, list(range(0, 8)), 128)
+    for g, w_ in zip(got, want, strict=True):
+        assert torch.equal(g.view(torch.int16), w_.view(torch.int16))
+    sched.shutdown()
+    w.shutdown()
+
+
+def corrupt_third_chunk(tmp_path: Path, fingerprint: str, tokens: list[int]) -> None:
+    with Catalog.open(f"sqlite:///{tmp_path / 'catalog.db'}") as cat:
+        third = cat.lookup("vllm", fingerprint, [*tokens, 7]).chunks[2]
+    blob = open_store(f"file://{tmp_path / 'blobs'}").path_of(third.blob_key)  # type: ignore[attr-defined]
+    data = bytearray(blob.read_bytes())
+    data[-100] ^= 0x01
+    blob.chmod(0o644)
+    blob.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_corrupt_chunk_is_recomputed_by_vllm_and_the_request_finishes(
+    model_dir: Path, tmp_path: Path, policy: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With docs/engines.md's configuration (`kv_load_failure_policy="recompute"`) vLLM's
+    scheduler recomputes the blocks of a corrupt chunk and the request finishes; vLLM's default
+    ("fail") would fail it, and the connector says so when it starts."""
+    config = vllm_config(model_dir, tmp_path, policy=policy)
+    src = worker(config, kv_caches(fill=True))
+    stored = list(range(1, 257))  # 4 kvc chunks of 64
+    save(src, stored, list(range(0, 16)))
+    src.shutdown()
+    corrupt_third_chunk(tmp_path, src.fingerprint.hex, stored)
+
+    with caplog.at_level(logging.WARNING, logger="restore.engines.vllm"):
+        sched = make_scheduler(config)
+    warned = [r for r in caplog.records if "kv_load_failure_policy" in r.getMessage()]
+    assert bool(warned) == (policy == "fail")
+    w = worker(config, kv_caches(fill=False))
+    req = request("hit", [*stored, 5, 6])
+    sched.add_request(req)
+    outs = drive(sched, w, until=lambda: not sched.has_requests())
+    assert [(load.start, load.end) for load in outs[0].kv_connector_metadata.loads] == [(0, 256)]
+    if policy == "recompute":
+        assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+        assert req.num_output_tokens == 4
+        # the second step recomputed from the last verified position (chunks 1 and 2: 128)
+        assert outs[1].num_scheduled_tokens["hit"] == len(req.prompt_token_ids or []) - 128
+    else:
+        assert req.status == RequestStatus.FINISHED_ERROR
+    sched.shutdown()
+    w.shutdown()
+
+
+def test_a_kv_cache_other_than_full_attention_is_refused_by_name(model_dir: Path, tmp_path: Path) -> None:
+    """A model whose layers are all sliding-window is one KV cache group: refused all the same."""
+    names_ = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+    spec = SlidingWindowSpec(
+        block_size=BLOCK, num_kv_heads=KV_HEADS, head_size=HEAD_DIM, dtype=torch.float16, sliding_window=64
+    )
+    sliding = KVCacheConfig(
+        num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(names_, spec)]
+    )
+    with pytest.raises(UnsupportedModelError, match="SlidingWindowSpec"):
+        KvcConnector(vllm_config(model_dir, tmp_path), KVConnectorRole.SCHEDULER, sliding)
+
+
+def test_vllm_does_not_treat_kvc_saves_as_deliveries(model_dir: Path, tmp_path: Path) -> None:
+    """A best-effort cache: vLLM need not recompute a preempted request to deliver its save."""
+    sched = make_scheduler(vllm_config(model_dir, tmp_path))
+    assert sched.requires_kv_delivery is False
+    sched.shutdown()

@@ -6,6 +6,7 @@ Loaded out of tree::
         kv_connector="KvcConnector",
         kv_connector_module_path="restore.engines.vllm",
         kv_role="kv_both",
+        kv_load_failure_policy="recompute",  # vLLM's default fails a request whose load failed
         kv_connector_extra_config={"catalog": "sqlite:///kvc/catalog.db",
                                    "stores": ["file:///kvc/blobs"], "namespace": "default"},
     )
@@ -36,6 +37,7 @@ import functools
 import logging
 import math
 import threading
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -48,6 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from catalog import AttentionLayout, Fingerprint
@@ -103,6 +106,31 @@ class KvcConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
 
 
+def skip_reason(request: Request) -> str | None:
+    """Why kvc must not share this request's KV, or None when token ids are all that identify it.
+
+    vLLM's own block hashes (`generate_block_hash_extra_keys` in vllm/v1/core/kv_cache_utils.py)
+    also cover the LoRA adapter, the multimodal inputs at their placeholders, the cache salt and
+    the prompt embeddings; kvc keys token ids only, so such a request neither loads nor saves."""
+    if request.lora_request is not None:
+        return "lora"
+    if request.mm_features:
+        return "multimodal"
+    if request.cache_salt:
+        return "cache_salt"
+    if request.prompt_embeds is not None:
+        return "prompt_embeds"
+    return None
+
+
+def written_tokens(request: Request) -> int:
+    """The positions whose KV a finished step has written: under async scheduling vLLM counts
+    the tokens of steps still in flight in `num_computed_tokens` (`num_in_flight_tokens`; the
+    same frontier vLLM itself caches and frees blocks on)."""
+    in_flight: int = getattr(request, "num_in_flight_tokens", request.num_output_placeholders)
+    return max(0, min(request.num_computed_tokens - in_flight, request.num_tokens))
+
+
 def _config_get(extra: dict[str, Any], key: str, default: Any = None) -> Any:
     value = extra.get(key, default)
     if value is None:
@@ -134,6 +162,24 @@ def vllm_layout(vllm_config: VllmConfig) -> AttentionLayout:
         )
     layers = model.get_num_layers(vllm_config.parallel_config)
     return AttentionLayout(layers, heads, model.get_head_size(), DTYPES[dtype])
+
+
+def check_full_attention(kv_cache_config: KVCacheConfig) -> None:
+    """Refuse, by name, every KV cache but one group of full attention: kvc restores and saves
+    every position of every layer (a sliding window's dropped blocks are vLLM's null block)."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        raise UnsupportedModelError(
+            f"the model has {len(groups)} KV cache groups "
+            "(sliding-window, hybrid or linear-attention layers): the kvc connector supports "
+            "models whose layers are all full attention"
+        )
+    spec = groups[0].kv_cache_spec
+    if type(spec) is not FullAttentionSpec:
+        raise UnsupportedModelError(
+            f"the model's KV cache is {type(spec).__name__}: the kvc connector supports models "
+            "whose layers are all full attention (FullAttentionSpec)"
+        )
 
 
 def rank_shard(layout: AttentionLayout, rank: int, world: int) -> Shard:
@@ -335,11 +381,13 @@ class KvcConnector(KVConnectorBase_V1):
         stores = _config_get(extra, "stores")
         if isinstance(stores, str) or not stores:
             raise InputError("kv_connector_extra_config 'stores' must be a non-empty list of store URLs")
-        if len(kv_cache_config.kv_cache_groups) != 1:
-            raise UnsupportedModelError(
-                f"the model has {len(kv_cache_config.kv_cache_groups)} KV cache groups "
-                "(sliding-window, hybrid or linear-attention layers): the kvc connector supports "
-                "models whose layers are all full attention"
+        check_full_attention(kv_cache_config)
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            log.warning(
+                "kv_load_failure_policy is %r: vLLM fails a request whose kvc load fails (a "
+                "corrupt or missing chunk, a store that is down); set "
+                "kv_load_failure_policy='recompute' so vLLM recomputes those blocks instead",
+                self._kv_transfer_config.kv_load_failure_policy,
             )
         self.layout = vllm_layout(vllm_config)
         self.fingerprint = vllm_fingerprint(vllm_config, extra.get("weights_id"))
@@ -349,8 +397,12 @@ class KvcConnector(KVConnectorBase_V1):
         catalog_url = str(_config_get(extra, "catalog"))
         # Scheduler state.
         self._offered: dict[str, tuple[int, int]] = {}  # req id -> (computed, end) offered
-        self._loads: dict[str, tuple[int, int]] = {}  # req id -> (start, end) after alloc
+        # req id -> (start, end, the prompt's first end + 1 token ids) after alloc
+        self._loads: dict[str, tuple[int, int, tuple[int, ...]]] = {}
         self._saves: list[SaveSpec] = []
+        # Requests kvc does not share (see `skip_reason`), counted once each by reason.
+        self.skipped: Counter[str] = Counter()
+        self._skipping: set[str] = set()
         # Worker state.
         self._layers: list[torch.Tensor] = []
         self._load_errors: set[int] = set()
@@ -375,11 +427,30 @@ class KvcConnector(KVConnectorBase_V1):
             self.restorer = self.session.restorer
             self.checkpointer = self.session.checkpointer
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache: a save dropped by a preemption is a future miss, so vLLM need
+        not recompute a preempted request to deliver it."""
+        return False
+
     # ---- scheduler side ------------------------------------------------
+
+    def _skip(self, request: Request) -> bool:
+        reason = skip_reason(request)
+        if reason is None:
+            return False
+        if request.request_id not in self._skipping:
+            self._skipping.add(request.request_id)
+            self.skipped[reason] += 1
+            log.debug("kvc skips request %s (%s): vLLM keys its KV on more than token ids",
+                      request.request_id, reason)
+        return True
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
+        if self._skip(request):
+            return 0, False
         tokens = request.prompt_token_ids or []
         limit = len(tokens) - 1  # vLLM computes at least the last prompt token
         if limit < self._block_size:
@@ -403,36 +474,47 @@ class KvcConnector(KVConnectorBase_V1):
         offered = self._offered.pop(request.request_id, None)
         if num_external_tokens > 0 and offered is not None:
             computed, _end = offered
-            self._loads[request.request_id] = (computed, computed + num_external_tokens)
+            end = computed + num_external_tokens
+            tokens = tuple((request.prompt_token_ids or [])[: end + 1])
+            self._loads[request.request_id] = (computed, end, tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvcConnectorMetadata:
+        """The step's saves, and a load for every request `update_state_after_alloc` gave one:
+        new requests, and preempted requests vLLM resumes (`scheduled_cached_reqs`, in
+        `resumed_req_ids`, whose `new_block_ids` are the whole block table)."""
         meta = KvcConnectorMetadata(saves=self._saves)
         self._saves = []
-        for new in scheduler_output.scheduled_new_reqs:
-            span = self._loads.pop(new.req_id, None)
+        tables: dict[str, list[int]] = {
+            new.req_id: list(new.block_ids[0]) for new in scheduler_output.scheduled_new_reqs
+        }
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        if cached is not None:
+            for req_id, block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+                if req_id in cached.resumed_req_ids and block_ids is not None:
+                    tables[req_id] = list(block_ids[0])
+        for req_id, table in tables.items():
+            span = self._loads.pop(req_id, None)
             if span is None:
                 continue
-            start, end = span
-            meta.loads.append(
-                LoadSpec(
-                    new.req_id,
-                    tuple((new.prompt_token_ids or [])[: end + 1]),
-                    tuple(new.block_ids[0]),
-                    start,
-                    end,
-                )
-            )
+            start, end, tokens = span
+            meta.loads.append(LoadSpec(req_id, tokens, tuple(table), start, end))
         return meta
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Save the request's computed positions (whole vLLM blocks) unless the catalog has them;
-        the blocks stay allocated until a worker reports the save has read them."""
+        the blocks stay allocated until a worker reports the save has read them. Only positions
+        a finished step wrote count (`written_tokens`), in whole blocks: a block still being
+        written is never saved."""
         self._offered.pop(request.request_id, None)
         self._loads.pop(request.request_id, None)
+        skip = self._skip(request)
+        self._skipping.discard(request.request_id)
+        if skip:
+            return False, None
         tokens = list(request.all_token_ids)
-        n = min(request.num_computed_tokens, len(tokens)) // self._block_size * self._block_size
+        n = written_tokens(request) // self._block_size * self._block_size
         if n == 0:
             return False, None
         try:
