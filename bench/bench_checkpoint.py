@@ -31,7 +31,7 @@ timed step starts after an os.sync() (not timed), so that none pays for the
 writeback of the step before it.
 
 "copies" counts full copies of the KV in user space between the pool and the
-bytes handed to the kernel or the HTTP client (tests/test_checkpoint_copies.py
+bytes handed to the kernel or the HTTP client (tests/restore/test_checkpoint_copies.py
 pins kvc's one): kvc 1 (pages -> the record buffer, which is hashed, written
 and sent in place); the floors 1 (the same gather); np.save 1 (the gather;
 it writes from the array); safetensors 2 (the gather, then save_file's

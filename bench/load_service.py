@@ -16,7 +16,7 @@ memory at start and end. `--client-procs` spreads the clients over that many
 processes (one Python process holds one GIL). `--ceiling` first runs the same
 clients against a stub server that answers every call with a canned body: what
 the load generator itself can drive on this machine.
-The test suite runs a short version (tests/test_load.py).
+The test suite runs a short version (tests/kvc/test_load.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Two implementations: `catalog.Catalog` (SQL: SQLite or PostgreSQL) and
 `catalog.remote.RemoteCatalog` (the same calls over a `kvc serve` service). One
-behaviour suite (`tests/test_catalog_behaviour.py`) holds both to this page.
+behaviour suite (`tests/catalog/test_catalog_behaviour.py`) holds both to this page.
 
 Every method may raise `CatalogUnavailableError` (nothing landed; retry) and,
 for a write, `OutcomeUnknownError` (it may have landed). The errors each

@@ -19,7 +19,7 @@ class InPlaceSnapshot(Protocol):
 
     Every snapshot kvc ships is one: the page pool's `Lease`, the transformers
     adapter's `CacheSnapshot`, the vLLM connector's `BlockTable` and the SGLang
-    backend's host pages (tests/test_destinations.py). A snapshot that is not
+    backend's host pages (tests/restore/test_destinations.py). A snapshot that is not
     still works through `read_kv`, at the price of a second copy of the KV.
     """
 

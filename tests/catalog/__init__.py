@@ -1,0 +1,1 @@
+"""Tests of catalog/ (see docs/architecture.md, "The rooms")."""

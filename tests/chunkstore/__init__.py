@@ -1,0 +1,1 @@
+"""Tests of chunkstore/ (see docs/architecture.md, "The rooms")."""

@@ -1,0 +1,1 @@
+"""Tests of kvc/ (see docs/architecture.md, "The rooms")."""

@@ -1,0 +1,1 @@
+"""Tests of maintenance/ (see docs/architecture.md, "The rooms")."""

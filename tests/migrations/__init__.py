@@ -1,0 +1,1 @@
+"""Tests of migrations/ (see docs/architecture.md, "The rooms")."""

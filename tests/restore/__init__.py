@@ -1,0 +1,1 @@
+"""Tests of restore/ (see docs/architecture.md, "The rooms")."""

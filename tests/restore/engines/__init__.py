@@ -1,0 +1,1 @@
+"""Tests of restore/engines/ (see docs/architecture.md, "The rooms")."""
