@@ -225,13 +225,18 @@ def test_stores_are_merged_one_chunk_each_one_replica_per_store(parts: Parts) ->
 def test_stores_one_after_the_other_add_only_what_is_missing(parts: Parts) -> None:
     with parts.fresh() as cat:
         first = rebuild(cat, parts.a)
-        assert first.recorded == 6 and first.complete
+        assert first.recorded == 6
+        # Every checkpoint journaled its ref to every store the catalog had been handed, so
+        # A's journal names Q's ref, whose head only B holds: unresolved until B is read.
+        assert not first.complete and first.journal.unresolved
+        assert first.journal.unresolved == [f"ref default/c{len(Q)}"]
         # Q's own chunks are only in B: its lookup stops inside P's third chunk.
         assert cat.lookup("default", FP, Q).matched_tokens == 70
         second = rebuild(cat, parts.b)
         assert (second.recorded, second.already_present, second.replicas_added) == (2, 4, 6)
         assert second.fingerprints_added == [] and second.namespaces_added == []
         assert cat.lookup("default", FP, Q).matched_tokens == 99
+        assert second.complete, second.to_dict()
 
 
 def test_a_copy_corrupt_in_one_store_is_reported_the_good_copy_is_used(parts: Parts) -> None:
