@@ -25,13 +25,6 @@ from catalog.models import Shard
 from tests.catalog_helpers import CS, FP, FP2, chain_records, publish, receipt
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def catalog_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'catalog.db'}"
-    return str(request.getfixturevalue("postgres_url"))
-
-
 @pytest.fixture
 def cat(catalog_url: str) -> Iterator[Catalog]:
     c = Catalog.open(catalog_url, upgrade=True)

@@ -27,13 +27,6 @@ A = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]  # a1 a2 a3
 B = [0, 1, 2, 3, 50, 51, 52, 53, 54, 55, 56, 57]  # a1 b2 b3
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def catalog_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'catalog.db'}"
-    return str(request.getfixturevalue("postgres_url"))
-
-
 @pytest.fixture
 def cat(catalog_url: str) -> Iterator[Catalog]:
     c = Catalog.open(catalog_url, upgrade=True)

@@ -41,13 +41,6 @@ A = list(range(12))  # a1 a2 a3
 MODEL = ReferenceModel.small(seed=0)
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def catalog_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'catalog.db'}"
-    return str(request.getfixturevalue("postgres_url"))
-
-
 @pytest.fixture
 def cat(catalog_url: str) -> Iterator[Catalog]:
     c = Catalog.open(catalog_url, upgrade=True)

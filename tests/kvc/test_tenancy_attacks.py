@@ -47,13 +47,6 @@ SHARD = Shard.full(FP.layout)
 API = "/v1/namespaces"
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
-def catalog_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'catalog.db'}"
-    return str(request.getfixturevalue("postgres_url"))
-
-
 @dataclass
 class World:
     cat: Catalog

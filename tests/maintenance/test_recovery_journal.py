@@ -7,8 +7,6 @@ import shutil
 from datetime import UTC, datetime
 from pathlib import Path
 
-import pytest
-
 from catalog.catalog import Catalog
 from catalog.gc import plan_gc
 from catalog.purge import apply_gc
@@ -28,13 +26,6 @@ from tests.maintenance.test_recovery import (
 )
 
 NS = "default"
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def catalog_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'catalog.db'}"
-    return str(request.getfixturevalue("postgres_url"))
 
 
 def test_names_and_removals_come_back_from_the_journal(catalog_url: str, tmp_path: Path) -> None:

@@ -5,10 +5,8 @@ namespace's nodes; on SQLite and PostgreSQL, then back down and up again."""
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
-import pytest
 import sqlalchemy as sa
 
 from catalog import Catalog, database
@@ -42,13 +40,6 @@ OLD_DEMAND = sa.table(
     *(sa.column(c) for c in ("worker", "prefix_hash", "namespace_id", "priority")),
     sa.column("expires_at", Replica.stored_at.type),
 )
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def catalog_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'catalog.db'}"
-    return str(request.getfixturevalue("postgres_url"))
 
 
 def _node(ns_id: int, parent: bytes, start: int, tokens: list[int]) -> dict[str, Any]:
