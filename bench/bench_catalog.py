@@ -150,6 +150,7 @@ def bulk_rows(seed: int, ns_id: int, now: datetime) -> tuple[list[dict[str, Any]
         replicas.append(
             {
                 "blob_key": key,
+                "namespace_id": ns_id,
                 "location": LOCATION,
                 "tier": "local",
                 "state": "durable",
@@ -222,6 +223,8 @@ def floor_sql(dialect: str, n: int, *, by_identity: bool = True) -> str:
         "SELECT c.prefix_hash, c.blob_key, c.codec, c.stored_bytes, c.kv_bytes,"
         " r.location, r.tier, r.state, r.size, r.worker"
         f" FROM chunks c JOIN replicas r ON r.blob_key = c.blob_key WHERE c.prefix_hash {hashes}"
+        # The tenant's own replica rows, as the lookup reads them (one namespace here).
+        " AND r.namespace_id = (SELECT id FROM namespaces WHERE name = 'bench')"
     )
     if by_identity:
         sql += f" AND c.fingerprint = {p} AND c.layer_lo = {p} AND c.layer_hi = {p} AND c.head_lo = {p} AND c.head_hi = {p}"
