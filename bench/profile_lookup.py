@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import sqlalchemy as sa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -59,7 +60,9 @@ def profile(cat: Catalog, tokens: int, reps: int) -> None:
     q = np.append(chain(0)[:tokens], 7).astype(np.uint32)
     m = cat.lookup("bench", FP, q)
     hs = [c.prefix_hash for c in m.chunks]
-    ident = (FP.hex, SHARD.layer_lo, SHARD.layer_hi, SHARD.head_lo, SHARD.head_hi)
+    with cat.engine.connect() as conn:
+        ns_id = conn.execute(sa.text("SELECT id FROM namespaces WHERE name = 'bench'")).scalar_one()
+    ident = (FP.hex, SHARD.layer_lo, SHARD.layer_hi, SHARD.head_lo, SHARD.head_hi, ns_id)
     if dialect == "sqlite":
         hot, hot_params = _hot_sql_sqlite(len(hs)), (*hs, *ident)
     else:
