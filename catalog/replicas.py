@@ -128,7 +128,7 @@ def add_replicas(
     return len(new)
 
 
-def namespaces_holding(conn: sa.Connection, blob_key: str, namespace: str | None) -> list[int]:
+def _namespaces_holding(conn: sa.Connection, blob_key: str, namespace: str | None) -> list[int]:
     """Ids of the namespaces (only `namespace`, if given) with a chunk naming `blob_key`,
     their chunk rows locked; `NotFoundError` if none, `PurgeInProgressError` if GC has them."""
     q = (
@@ -174,7 +174,7 @@ class Replicas:
             with self.db.write() as conn:
                 added = 0
                 now = utcnow()
-                for ns_id in namespaces_holding(conn, blob_key, namespace):
+                for ns_id in _namespaces_holding(conn, blob_key, namespace):
                     added += add_replicas(self.db, conn, ns_id, [(blob_key, receipt)], now)
                 self.db.event(
                     conn,

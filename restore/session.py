@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from typing import Any
 
 from catalog.base import CatalogAPI
 from catalog.connect import connect
@@ -38,9 +37,9 @@ class Session:
 
     What the session opens from a URL it closes; objects handed to it stay the caller's.
     `checkpointer` publishes into `stores[0]` (write-behind to the first object store after
-    it) and `restorer` reads every store; both are made on first use. `journal=False` gives up recovery: refs, pins,
-    quarantines and purges made through this catalog are then not in the stores, and a
-    catalog rebuilt from them (`kvc rebuild`) lacks them.
+    it) and `restorer` reads every store; both are made on first use. `journal=False`
+    gives up recovery: refs, pins, quarantines and purges made through this catalog are
+    then not in the stores, and a catalog rebuilt from them (`kvc rebuild`) lacks them.
     """
 
     def __init__(
@@ -58,8 +57,6 @@ class Session:
         write_behind_bytes: int = DEFAULT_WRITE_BEHIND_BYTES,
         max_parallel: int = Restorer.DEFAULT_PARALLEL,
         byte_budget: int = 256 << 20,
-        checkpointer_options: dict[str, Any] | None = None,
-        restorer_options: dict[str, Any] | None = None,
     ) -> None:
         if isinstance(stores, str | ChunkStore) or not stores:
             raise InputError("a session needs a list of at least one store (objects or URLs)")
@@ -67,16 +64,10 @@ class Session:
         self.chunk_size = chunk_size
         self.shard = shard
         self.actor = actor
-        self._checkpointer_options: dict[str, Any] = {
-            "codec": codec,
-            "write_behind_bytes": write_behind_bytes,
-            **(checkpointer_options or {}),
-        }
-        self._restorer_options: dict[str, Any] = {
-            "max_parallel": max_parallel,
-            "byte_budget": byte_budget,
-            **(restorer_options or {}),
-        }
+        self.codec = codec
+        self.write_behind_bytes = write_behind_bytes
+        self.max_parallel = max_parallel
+        self.byte_budget = byte_budget
         self._owned_stores: list[ChunkStore] = []
         self._owned_catalog: CatalogAPI | None = None
         self._journal: StoreJournal | None = None
@@ -114,7 +105,8 @@ class Session:
                     shard=self.shard,
                     actor=self.actor,
                     journal=False,  # the session journals every store it has
-                    **self._checkpointer_options,
+                    codec=self.codec,
+                    write_behind_bytes=self.write_behind_bytes,
                 )
             return self._checkpointer
 
@@ -131,7 +123,8 @@ class Session:
                     self.namespace,
                     shard=self.shard,
                     actor=self.actor,
-                    **self._restorer_options,
+                    max_parallel=self.max_parallel,
+                    byte_budget=self.byte_budget,
                 )
             return self._restorer
 
@@ -141,11 +134,6 @@ class Session:
         opened = open_store(str(store))
         self._owned_stores.append(opened)
         return opened
-
-    @property
-    def journaled(self) -> bool:
-        """Whether changes made through the catalog reach the stores (a service journals its own)."""
-        return self._journal is not None or not hasattr(self.catalog, "add_change_listener")
 
     def close(self) -> None:
         """Finish queued checkpoints and write-behind uploads (they need the catalog and the
