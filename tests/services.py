@@ -304,9 +304,10 @@ def start_seaweedfs(deadline_s: float = 90) -> Iterator[S3Server]:
 
 
 @contextlib.contextmanager
-def serve_in_thread(app: object) -> Iterator[str]:
+def serve_in_thread(app: object, *, lifespan: str = "off") -> Iterator[str]:
     """A uvicorn server for an ASGI app in a thread, on a loopback socket bound here (no port
-    race); yields its base URL and stops it afterwards."""
+    race); yields its base URL and stops it afterwards. `lifespan="on"` runs the app's startup
+    (`create_app`'s sets the threadpool's size) and shutdown."""
     import threading
 
     import uvicorn
@@ -314,7 +315,7 @@ def serve_in_thread(app: object) -> Iterator[str]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))  # type: ignore[arg-type]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan=lifespan))  # type: ignore[arg-type]
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20

@@ -32,12 +32,14 @@ from catalog.wire import NOT_FOUND, Health
 from kvc.service import routes_catalog, routes_refs, routes_replicas
 from kvc.service.auth import Authenticate
 from kvc.service.deps import PromptLimit
+from kvc.service.gate import WriteGate, write_slots
 from kvc.service.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, body_caps
 from kvc.service.metrics import CONTENT_TYPE_LATEST, Metrics
 
 log = logging.getLogger(__name__)
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+DEFAULT_THREADS = 40  # anyio's default threadpool
 
 
 class Guard:
@@ -232,6 +234,10 @@ def create_app(
     app.state.metrics = metrics
     app.state.prompt_limit = PromptLimit(max_prompt_tokens)
     app.state.token_hashes = hashes
+    # Innermost: only an authenticated write within its size limit waits for a slot.
+    app.add_middleware(
+        WriteGate, slots=write_slots(catalog.db.engine.dialect.name, threads or DEFAULT_THREADS)
+    )
     # Added last, so outermost: `Guard` also covers `Authenticate`.
     app.add_middleware(
         BodyLimit,
