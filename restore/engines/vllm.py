@@ -25,6 +25,11 @@ straight from its blocks; vLLM frees the blocks once `get_finished` reports
 the read done. Prefix identity is kvc's chain hash over token ids, the same in
 every process: vLLM's block boundaries are mapped onto kvc chunks here.
 
+Tensor parallelism: each rank loads and saves its own kv heads as a kvc shard; the
+scheduler offers a prefix only when every rank's shard holds it, and saves a finished
+request unless every rank's shard does. Metrics go through vLLM's connector stats hooks
+(restore/engines/vllm_metrics.py).
+
 The per-layer KV tensors are read as vLLM lays them out, checked against the
 model's block size, kv heads and head size: `[blocks, kv heads, block size,
 2 * head size]` with K and V packed in the last dimension (vLLM >= 0.33's
