@@ -37,7 +37,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from catalog.catalog import Catalog  # noqa: E402
 from chunkstore import open_store  # noqa: E402
-from restore.engines.vllm import KvcConnector, KvcConnectorMetadata  # noqa: E402
+from restore.engines.vllm import KvcConnector, KvcConnectorMetadata, SaveSpec  # noqa: E402
 from tests.restore.engines.test_vllm import (  # noqa: E402
     BLOCK,
     EOS,
@@ -436,4 +436,21 @@ def test_a_worker_step_with_nothing_to_report_sends_no_stats(model_dir: Path, tm
     w = worker(vllm_config(model_dir, tmp_path), kv_caches(fill=False))
     run_step(w, KvcConnectorMetadata())
     assert w.get_kv_connector_stats() is None
+    w.shutdown()
+
+
+def test_a_save_that_fails_is_counted_as_a_save_error(model_dir: Path, tmp_path: Path) -> None:
+    """KV holding a NaN is refused by the checkpointer (nothing stored): the blocks are
+    released all the same and the save counts as an error, not a save."""
+    caches = kv_caches(fill=True)
+    next(iter(caches.values()))[2, 0, 3, 0] = float("nan")  # block 2, a position of the save
+    w = worker(vllm_config(model_dir, tmp_path), caches)
+    run_step(w, KvcConnectorMetadata(saves=[SaveSpec("r", tuple(range(1, 65)), (0, 1, 2, 3))]))
+    assert w.checkpointer is not None
+    w.checkpointer.close()
+    assert w.get_finished(set()) == ({"r"}, None)
+    stats = w.get_kv_connector_stats()
+    assert stats is not None
+    assert (stats.data["saves"], stats.data["save_errors"], stats.data["saved_bytes"]) == (0, 1, 0)
+    assert stored_bytes(tmp_path) == 0
     w.shutdown()
