@@ -89,6 +89,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from restore.checkpoint import CheckpointResult
+
 __all__ = ["KvcConnector", "KvcConnectorMetadata", "vllm_fingerprint"]
 
 log = logging.getLogger(__name__)
