@@ -34,6 +34,16 @@ def _unavailable(what: str, exc: BaseException) -> None:
     pytest.skip(f"{what} unavailable: {exc}")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kvc_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Per-machine caches (the weights digest, restore/engines/weights.py) in the session's
+    temporary directory, never the user's ~/.cache; child processes inherit it."""
+    path = tmp_path_factory.mktemp("kvc-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVC_CACHE_DIR", str(path))
+        yield path
+
+
 @pytest.fixture(scope="session")
 def postgres_server() -> Iterator[str]:
     """SQLAlchemy URL of a PostgreSQL server: KVC_TEST_DATABASE_URL, or one started for the session."""

@@ -7,10 +7,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import blake3
-
 from catalog import AttentionLayout, Fingerprint
-from catalog.identity import canonical_json
+from restore.engines.weights import cached_weights_digest, weight_files
 from restore.errors import InputError
 
 # Config fields that never change a K/V value: names, paths, versions, labels,
@@ -42,9 +40,6 @@ NOT_NUMERIC = frozenset(
         "finetuning_task",
     }
 )
-
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
-
 
 def json_safe(value: Any) -> Any:
     """Config values as JSON data (dtypes and other objects by their string)."""
@@ -94,24 +89,15 @@ def engine_fingerprint(
 def weights_identity(model: str, weights_id: str | None = None) -> str:
     """`revision:<weights_id>` when the user vouches for an immutable revision id; else blake3
     over a local model directory's weight files (relative names, sizes and bytes, in name
-    order). A hub name without `weights_id` is refused: a name alone does not pin the numbers."""
+    order), hashed once per machine (restore/engines/weights.py). A hub name without
+    `weights_id` is refused: a name alone does not pin the numbers."""
     if weights_id is not None:
         return revision_identity(weights_id)
     root = Path(model)
-    files = (
-        sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
-        if root.is_dir()
-        else []
-    )
+    files = weight_files(root)
     if not files:
         raise InputError(
             f"model {model!r} is not a local directory with weight files: set 'weights_id' "
             "(an immutable revision id, e.g. the hub commit hash) to name these exact weights"
         )
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-    for path in files:
-        h.update(canonical_json([path.relative_to(root).as_posix(), path.stat().st_size]))
-        with path.open("rb") as f:
-            while chunk := f.read(64 << 20):
-                h.update(chunk)
-    return f"blake3:{h.hexdigest()}"
+    return f"blake3:{cached_weights_digest(root, files)}"

@@ -25,6 +25,11 @@ straight from its blocks; vLLM frees the blocks once `get_finished` reports
 the read done. Prefix identity is kvc's chain hash over token ids, the same in
 every process: vLLM's block boundaries are mapped onto kvc chunks here.
 
+Tensor parallelism: each rank loads and saves its own kv heads as a kvc shard; the
+scheduler offers a prefix only when every rank's shard holds it, and saves a finished
+request unless every rank's shard does. Metrics go through vLLM's connector stats hooks
+(restore/engines/vllm_metrics.py).
+
 The per-layer KV tensors are read as vLLM lays them out, checked against the
 model's block size, kv heads and head size: `[blocks, kv heads, block size,
 2 * head size]` with K and V packed in the last dimension (vLLM >= 0.33's
@@ -37,6 +42,7 @@ import functools
 import logging
 import math
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -60,18 +66,29 @@ from chunkstore.record import check_finite
 from restore.checkpoint import Checkpointer
 from restore.engines.identity import engine_fingerprint, numeric_config, weights_identity
 from restore.engines.torch_kv import DTYPES, numpy_view, torch_dtype
+from restore.engines.vllm_metrics import KvcConnectorStats, KvcPromMetrics
 from restore.errors import InputError, UnsupportedModelError
 from restore.pages import check_payload, check_range, check_span, payload_shape
 from restore.restore import Restorer
 from restore.session import Session
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+    from restore.checkpoint import CheckpointResult
 
 __all__ = ["KvcConnector", "KvcConnectorMetadata", "vllm_fingerprint"]
 
@@ -394,6 +411,8 @@ class KvcConnector(KVConnectorBase_V1):
         world = vllm_config.parallel_config.tensor_parallel_size
         rank = vllm_config.parallel_config.rank if role == KVConnectorRole.WORKER else 0
         self.shard = rank_shard(self.layout, rank % world, world)
+        # The scheduler offers and skips saves by what every rank has stored.
+        self._shards = tuple(rank_shard(self.layout, r, world) for r in range(world))
         catalog_url = str(_config_get(extra, "catalog"))
         # Scheduler state.
         self._offered: dict[str, tuple[int, int]] = {}  # req id -> (computed, end) offered
@@ -408,6 +427,8 @@ class KvcConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._saved: set[str] = set()
         self._lock = threading.Lock()
+        # What this process counted since vLLM last collected it (get_kv_connector_stats).
+        self._stats = KvcConnectorStats()
         # One session per process: the scheduler uses its catalog, a worker its pipelines
         # (the first store receives every save, the first object store after it a
         # write-behind copy, every store is read; names are journaled to the stores).
@@ -442,9 +463,25 @@ class KvcConnector(KVConnectorBase_V1):
         if request.request_id not in self._skipping:
             self._skipping.add(request.request_id)
             self.skipped[reason] += 1
+            with self._lock:
+                self._stats.record_skip(reason)
             log.debug("kvc skips request %s (%s): vLLM keys its KV on more than token ids",
                       request.request_id, reason)
         return True
+
+    def _stored_by_every_rank(self, tokens: list[int], limit: int, need: int) -> int:
+        """The longest prefix of `tokens` (at most `limit`) that every tensor-parallel rank's
+        shard has stored: a hit is a hit only when each rank can load its kv heads. One lookup
+        per rank, each bounded by the shortest so far, stopping at the first rank that holds
+        fewer than `need` positions (the answer is then of no use to the caller)."""
+        stored = limit
+        for shard in self._shards:
+            stored = self.catalog.lookup(
+                self._namespace, self.fingerprint.hex, tokens, shard=shard, max_tokens=stored
+            ).matched_tokens
+            if stored < need:
+                break
+        return stored
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -455,14 +492,14 @@ class KvcConnector(KVConnectorBase_V1):
         limit = len(tokens) - 1  # vLLM computes at least the last prompt token
         if limit < self._block_size:
             return 0, False
+        # An offer needs at least one whole block beyond what vLLM has computed.
+        need = (num_computed_tokens // self._block_size + 1) * self._block_size
         try:
-            match = self.catalog.lookup(
-                self._namespace, self.fingerprint.hex, tokens, shard=self.shard, max_tokens=limit
-            )
+            stored = self._stored_by_every_rank(tokens, limit, need)
         except Exception as exc:  # the catalog unreachable is a miss, never a failed request
             log.warning("kvc lookup for request %s failed: %s", request.request_id, exc)
             return 0, False
-        end = min(match.matched_tokens, limit) // self._block_size * self._block_size
+        end = stored // self._block_size * self._block_size
         if end <= num_computed_tokens:
             return 0, False
         self._offered[request.request_id] = (num_computed_tokens, end)
@@ -477,6 +514,8 @@ class KvcConnector(KVConnectorBase_V1):
             end = computed + num_external_tokens
             tokens = tuple((request.prompt_token_ids or [])[: end + 1])
             self._loads[request.request_id] = (computed, end, tokens)
+            with self._lock:
+                self._stats.record_hit(num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvcConnectorMetadata:
         """The step's saves, and a load for every request `update_state_after_alloc` gave one:
@@ -503,8 +542,10 @@ class KvcConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Save the request's computed positions (whole vLLM blocks) unless the catalog has them;
-        the blocks stay allocated until a worker reports the save has read them. Only positions
+        """Save the request's computed positions (whole vLLM blocks) unless the catalog has them
+        for every tensor-parallel rank (every rank gets the save: one whose shard is missing
+        stores it, the others' checkpointers skip what is catalogued); the blocks stay
+        allocated until the workers report the save has read them. Only positions
         a finished step wrote count (`written_tokens`), in whole blocks: a block still being
         written is never saved."""
         self._offered.pop(request.request_id, None)
@@ -518,9 +559,7 @@ class KvcConnector(KVConnectorBase_V1):
         if n == 0:
             return False, None
         try:
-            stored = self.catalog.lookup(
-                self._namespace, self.fingerprint.hex, tokens[: n + 1], shard=self.shard, max_tokens=n
-            ).matched_tokens
+            stored = self._stored_by_every_rank(tokens[: n + 1], n, n)
         except Exception as exc:
             log.warning("kvc lookup for request %s failed: %s", request.request_id, exc)
             return False, None
@@ -562,17 +601,25 @@ class KvcConnector(KVConnectorBase_V1):
         assert self.restorer is not None
         for load in meta.loads:
             table = self._table(load.block_ids, start=load.start)
+            t0 = time.perf_counter()
+            nbytes = 0
             try:
-                self.restorer.restore_into(
+                result = self.restorer.restore_into(
                     table, list(load.token_ids), self.fingerprint, self.shard, max_tokens=load.end
                 )
+                nbytes = result.report.bytes
             except Exception as exc:  # any failure: vLLM recomputes, never reads unverified KV
                 log.warning("kvc restore for request %s failed: %s", load.req_id, exc)
                 table.restored = 0
-            if table.restored < load.end:
-                missing = table.blocks_from(max(table.restored, load.start), load.end)
-                with self._lock:
-                    self._load_errors |= missing
+            with self._lock:
+                self._stats.record_load(
+                    tokens=max(0, table.restored - load.start),
+                    nbytes=nbytes,
+                    seconds=time.perf_counter() - t0,
+                    complete=table.restored >= load.end,
+                )
+                if table.restored < load.end:
+                    self._load_errors |= table.blocks_from(max(table.restored, load.start), load.end)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv finishes every load before the forward
@@ -589,7 +636,7 @@ class KvcConnector(KVConnectorBase_V1):
         for save in meta.saves:
             table = self._table(save.block_ids, length=len(save.token_ids))
             try:
-                self.checkpointer.submit_snapshot(
+                published = self.checkpointer.submit_snapshot(
                     table,
                     list(save.token_ids),
                     self.fingerprint,
@@ -597,6 +644,20 @@ class KvcConnector(KVConnectorBase_V1):
                 )
             except Exception as exc:  # a refused save is a future miss
                 log.warning("kvc save of request %s refused: %s", save.req_id, exc)
+                published = None
+            if published is None:  # refused, or dropped by a full checkpoint queue
+                with self._lock:
+                    self._stats.record_save(None)
+            else:
+                published.add_done_callback(functools.partial(self._count_save, save.req_id))
+
+    def _count_save(self, req_id: str, published: Future[CheckpointResult]) -> None:
+        """Count a background save once it is published, or failed (on the checkpointer's thread)."""
+        exc = published.exception()
+        if exc is not None:
+            log.warning("kvc save of request %s failed: %s", req_id, exc)
+        with self._lock:
+            self._stats.record_save(None if exc is not None else published.result().stored_bytes)
 
     def _mark_saved(self, req_id: str) -> None:
         with self._lock:
@@ -606,6 +667,29 @@ class KvcConnector(KVConnectorBase_V1):
         with self._lock:
             done, self._saved = self._saved, set()
         return (done or None), None
+
+    def get_kv_connector_stats(self) -> KvcConnectorStats | None:
+        """What this process counted since the last call (vLLM calls it every step, on the
+        scheduler and on each worker, and aggregates the payloads), or None when nothing."""
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            stats, self._stats = self._stats, KvcConnectorStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvcConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        return KvcPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         with self._lock:
