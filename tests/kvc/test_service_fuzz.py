@@ -15,11 +15,12 @@ from __future__ import annotations
 import itertools
 import logging
 import sqlite3
+import tempfile
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, cast
+from typing import Any
 
 import pytest
 import schemathesis
@@ -119,10 +120,20 @@ BAD_CREDENTIALS = {
     "empty token": {"Authorization": "Bearer "},
 }
 
-# The document depends on the routes alone (the catalog is used only inside them), and
-# schemathesis needs it at collection, before any fixture: build it over no catalog.
-# (`schemathesis.pytest.from_fixture` would fit, but it sets `Node._nodeid`, gone in pytest 9.2.)
-_DOC = create_app(cast(Catalog, None), {}, max_prompt_tokens=1).openapi()
+
+def _document() -> dict[str, Any]:
+    """The service's OpenAPI document. It depends on the routes alone, and schemathesis needs it
+    at collection, before any fixture: build it over a throwaway catalog, closed at once.
+    (`schemathesis.pytest.from_fixture` would fit, but it sets `Node._nodeid`, gone in pytest
+    9.2.)"""
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        Catalog.open(f"sqlite:///{tmp}/catalog.db", upgrade=True) as catalog,
+    ):
+        return create_app(catalog, {}, max_prompt_tokens=1).openapi()
+
+
+_DOC = _document()
 
 
 def _schema(phases: list[str], max_examples: int) -> BaseSchema:
