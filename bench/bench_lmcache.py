@@ -31,8 +31,9 @@ Per size and system, one table:
 - fsyncs: os.fsync/os.fdatasync calls during one store, counted by wrapping both (the
   SQLite catalog's own syncs happen in C and are not counted);
 - flipped byte / truncated file: a new sequence stored, one byte of its second chunk's
-  file flipped (or the file cut to half), then read back: "served" (a full hit whose
-  bytes differ from what was stored) or "detected" (a shorter hit or an error);
+  file flipped (or the file cut to half), another sequence read, then the damaged one
+  read back: "served" (a full hit; the last lines say how many values differ) or
+  "detected" (a shorter hit or an error);
 - new process: a process started after the storing one closed, asked for the same
   tokens: hit or miss.
 """
@@ -141,7 +142,14 @@ class LMCacheWorker:
     """bench/lmcache_worker.py in LMCache's venv, one JSON request and answer a line."""
 
     def __init__(self, python: str, kv_dir: Path, disk: Path) -> None:
-        env = {**os.environ, "LMCACHE_TRACK_USAGE": "false", "PYTHONPATH": ""}
+        # LMCache hashes chunks with Python's hash() when vLLM is absent: PYTHONHASHSEED fixed
+        # (as it tells production users to) so that a new process could find its chunks.
+        env = {
+            **os.environ,
+            "LMCACHE_TRACK_USAGE": "false",
+            "PYTHONHASHSEED": "0",
+            "PYTHONPATH": "",
+        }
         self.proc = subprocess.Popen(
             [python, str(WORKER), "--kv-dir", str(kv_dir), "--disk", str(disk)],
             stdin=subprocess.PIPE,
@@ -156,7 +164,9 @@ class LMCacheWorker:
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"the LMCache worker exited ({self.proc.wait()}); see its stderr above")
+            raise RuntimeError(
+                f"the LMCache worker exited ({self.proc.wait()}); see its stderr above"
+            )
         answer: dict[str, Any] = json.loads(line)
         return answer
 
@@ -174,12 +184,16 @@ class LMCacheWorker:
 def kvc_damaged(
     adapter: HFAdapter, local: LocalStore, kv: torch.Tensor, n: int, variant: int, damage: str
 ) -> dict[str, Any]:
-    """Checkpoint a new sequence, damage the blob of its second chunk, restore: served or
-    detected (the same test as lmcache_worker.Worker.damaged)."""
+    """Checkpoint a new sequence (the bench's KV negated), damage the blob of its second
+    chunk, restore: served or detected (the same test as lmcache_worker.Worker.damaged)."""
     tokens = tokens_of(n, variant)
+    kv = -kv
     before = set(local.keys())
     adapter.checkpoint(tokens, cache_of(kv, adapter))
-    blobs = {read_header(local.path_of(k).read_bytes()).token_start: local.path_of(k) for k in set(local.keys()) - before}
+    blobs = {
+        read_header(local.path_of(k).read_bytes()).token_start: local.path_of(k)
+        for k in set(local.keys()) - before
+    }
     path = blobs[CHUNK]
     size = path.stat().st_size
     if damage == "flip":
@@ -190,15 +204,15 @@ def kvc_damaged(
             f.write(bytes([byte ^ 0xFF]))
     else:
         os.truncate(path, size // 2)
+    adapter.restore([*tokens_of(n, 0), 0])  # another request in between, as on the LMCache side
     try:
         cache, got = adapter.restore([*tokens, 0])
     except Exception as e:
         return {"verdict": "detected", "detail": f"{type(e).__name__}: {e}"}
     if got < n:
         return {"verdict": "detected", "detail": f"restored {got} of {n} tokens"}
-    if equal_to(cache, kv):
-        return {"verdict": "not read", "detail": "full restore, bytes as stored"}
-    return {"verdict": "served", "detail": "full restore, bytes differ from the KV stored"}
+    same = "equal to" if equal_to(cache, kv) else "different from"
+    return {"verdict": "served", "detail": f"full restore, bytes {same} the KV stored"}
 
 
 def kvc_probe(model_dir: str, db: str, store_url: str, kv_path: str, n: int) -> dict[str, Any]:
@@ -212,7 +226,105 @@ def kvc_probe(model_dir: str, db: str, store_url: str, kv_path: str, n: int) -> 
         verdict = "hit" if got == n and equal_to(cache, kv) else "miss"
     local.close()
     cat.close()
-    return {"verdict": verdict, "hit": got}
+    return {"verdict": verdict, "hit": got, "detail": f"restored {got} of {n} tokens, verified"}
+
+
+def bench_size(
+    adapter: HFAdapter, local: LocalStore, lmc: LMCacheWorker, n: int, reps: int, tmp: Path
+) -> list[dict[str, Any]]:
+    """One size: the interleaved timings and the damage checks of both systems, two rows."""
+    kv = make_kv(n, tmp / f"kv_{n}.npy")
+    cache = cache_of(kv, adapter)
+    tokens = tokens_of(n, 0)
+    adapter.checkpoint(tokens, cache)
+    lmc("load", n=n)
+    # Same bytes back on both sides before anything is timed.
+    restored, got = adapter.restore([*tokens, 0])
+    assert got == n and equal_to(restored, kv), "kvc did not restore the KV it stored"
+    for tier in ("disk", "cpu"):
+        answer = lmc("retrieve", n=n, tier=tier)
+        assert answer["equal"], f"LMCache {tier} retrieve did not return the KV: {answer}"
+
+    variant = 1
+    times: dict[str, list[float]] = {}
+
+    def kvc_restore() -> None:
+        t0 = time.perf_counter()
+        _, got = adapter.restore([*tokens, 0])
+        times.setdefault("kvc_restore", []).append(time.perf_counter() - t0)
+        assert got == n, got
+
+    def kvc_checkpoint() -> None:
+        nonlocal variant
+        variant += 1
+        t0 = time.perf_counter()
+        adapter.checkpoint(tokens_of(n, variant), cache)
+        times.setdefault("kvc_checkpoint", []).append(time.perf_counter() - t0)
+
+    def lmc_store() -> None:
+        nonlocal variant
+        variant += 1
+        answer = lmc("store", n=n, variant=variant)
+        times.setdefault("lmc_store_returns", []).append(answer["returned_s"])
+        times.setdefault("lmc_store_on_disk", []).append(answer["on_disk_s"])
+
+    def lmc_retrieve(tier: str) -> Callable[[], None]:
+        def run() -> None:
+            answer = lmc("retrieve", n=n, tier=tier)
+            assert answer["hit"] == n, answer
+            times.setdefault(f"lmc_{tier}", []).append(answer["s"])
+
+        return run
+
+    ops = {
+        "kvc_restore": kvc_restore,
+        "kvc_checkpoint": kvc_checkpoint,
+        "lmc_store": lmc_store,
+        "lmc_disk": lmc_retrieve("disk"),
+        "lmc_cpu": lmc_retrieve("cpu"),
+    }
+    for fn in ops.values():
+        fn()  # warm-up, not kept
+    times.clear()
+    names = list(ops)
+    order = random.Random(0)
+    for _ in range(reps):
+        order.shuffle(names)
+        for name in names:
+            ops[name]()
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+
+    variant += 1
+    with counting_syncs() as calls:
+        adapter.checkpoint(tokens_of(n, variant), cache)
+    kvc_fsyncs = sum(calls.values())
+    lmc_fsyncs = lmc("store", n=n, variant=variant + 1)["fsyncs"]
+    kv_mb = kv.numel() * kv.element_size() / 1e6
+    common = {"tokens": n, "kv_mb": kv_mb, "reps": reps}
+    return [
+        {
+            **common,
+            "system": "LMCache",
+            "read_s": med["lmc_disk"],
+            "cpu_tier_s": med["lmc_cpu"],
+            "store_returns_s": med["lmc_store_returns"],
+            "on_disk_s": med["lmc_store_on_disk"],
+            "fsyncs": lmc_fsyncs,
+            "flipped": lmc("damaged", n=n, variant=FLIP, damage="flip"),
+            "truncated": lmc("damaged", n=n, variant=TRUNCATE, damage="truncate"),
+        },
+        {
+            **common,
+            "system": "kvc",
+            "read_s": med["kvc_restore"],
+            "cpu_tier_s": None,
+            "store_returns_s": med["kvc_checkpoint"],
+            "on_disk_s": med["kvc_checkpoint"],
+            "fsyncs": kvc_fsyncs,
+            "flipped": kvc_damaged(adapter, local, kv, n, FLIP, "flip"),
+            "truncated": kvc_damaged(adapter, local, kv, n, TRUNCATE, "truncate"),
+        },
+    ]
 
 
 def bench(python: str, sizes: list[int], reps: int, tmp: Path) -> list[dict[str, Any]]:
@@ -226,103 +338,9 @@ def bench(python: str, sizes: list[int], reps: int, tmp: Path) -> list[dict[str,
     lmc = LMCacheWorker(python, tmp, tmp / "lmcache-disk")
     print(f"LMCache {lmc.hello['lmcache']} worker ready", file=sys.stderr)
     rows: list[dict[str, Any]] = []
-    kvs: dict[int, torch.Tensor] = {}
     with HFAdapter(model, cat, [local], "bench", CHUNK) as adapter:
         for n in sizes:
-            kv = kvs[n] = make_kv(n, tmp / f"kv_{n}.npy")
-            cache = cache_of(kv, adapter)
-            tokens = tokens_of(n, 0)
-            adapter.checkpoint(tokens, cache)
-            lmc("load", n=n)
-            # Same bytes back on both sides before anything is timed.
-            restored, got = adapter.restore([*tokens, 0])
-            assert got == n and equal_to(restored, kv), "kvc did not restore the KV it stored"
-            for tier in ("disk", "cpu"):
-                answer = lmc("retrieve", n=n, tier=tier)
-                assert answer["equal"], f"LMCache {tier} retrieve did not return the KV: {answer}"
-
-            variant = 1
-            times: dict[str, list[float]] = {}
-
-            def kvc_restore() -> None:
-                t0 = time.perf_counter()
-                _, got = adapter.restore([*tokens, 0])
-                times.setdefault("kvc_restore", []).append(time.perf_counter() - t0)
-                assert got == n, got
-
-            def kvc_checkpoint() -> None:
-                nonlocal variant
-                variant += 1
-                t0 = time.perf_counter()
-                adapter.checkpoint(tokens_of(n, variant), cache)
-                times.setdefault("kvc_checkpoint", []).append(time.perf_counter() - t0)
-
-            def lmc_store() -> None:
-                nonlocal variant
-                variant += 1
-                answer = lmc("store", n=n, variant=variant)
-                times.setdefault("lmc_store_returns", []).append(answer["returned_s"])
-                times.setdefault("lmc_store_on_disk", []).append(answer["on_disk_s"])
-
-            def lmc_retrieve(tier: str) -> Callable[[], None]:
-                def run() -> None:
-                    answer = lmc("retrieve", n=n, tier=tier)
-                    assert answer["hit"] == n, answer
-                    times.setdefault(f"lmc_{tier}", []).append(answer["s"])
-
-                return run
-
-            ops = {
-                "kvc_restore": kvc_restore,
-                "kvc_checkpoint": kvc_checkpoint,
-                "lmc_store": lmc_store,
-                "lmc_disk": lmc_retrieve("disk"),
-                "lmc_cpu": lmc_retrieve("cpu"),
-            }
-            for fn in ops.values():
-                fn()  # warm-up, not kept
-            times.clear()
-            names = list(ops)
-            order = random.Random(0)
-            for _ in range(reps):
-                order.shuffle(names)
-                for name in names:
-                    ops[name]()
-            med = {name: statistics.median(ts) for name, ts in times.items()}
-
-            variant += 1
-            with counting_syncs() as calls:
-                adapter.checkpoint(tokens_of(n, variant), cache)
-            kvc_fsyncs = sum(calls.values())
-            lmc_fsyncs = lmc("store", n=n, variant=variant + 1)["fsyncs"]
-            kv_mb = kv.numel() * kv.element_size() / 1e6
-            common = {"tokens": n, "kv_mb": kv_mb, "reps": reps}
-            rows.append(
-                {
-                    **common,
-                    "system": "LMCache",
-                    "read_s": med["lmc_disk"],
-                    "cpu_tier_s": med["lmc_cpu"],
-                    "store_returns_s": med["lmc_store_returns"],
-                    "on_disk_s": med["lmc_store_on_disk"],
-                    "fsyncs": lmc_fsyncs,
-                    "flipped": lmc("damaged", n=n, variant=FLIP, damage="flip"),
-                    "truncated": lmc("damaged", n=n, variant=TRUNCATE, damage="truncate"),
-                }
-            )
-            rows.append(
-                {
-                    **common,
-                    "system": "kvc",
-                    "read_s": med["kvc_restore"],
-                    "cpu_tier_s": None,
-                    "store_returns_s": med["kvc_checkpoint"],
-                    "on_disk_s": med["kvc_checkpoint"],
-                    "fsyncs": kvc_fsyncs,
-                    "flipped": kvc_damaged(adapter, local, kv, n, FLIP, "flip"),
-                    "truncated": kvc_damaged(adapter, local, kv, n, TRUNCATE, "truncate"),
-                }
-            )
+            rows += bench_size(adapter, local, lmc, n, reps, tmp)
             for row in rows[-2:]:
                 print(json.dumps(row), file=sys.stderr)
     lmc_source_fsync = lmc("fsync_in_source")["found"]
@@ -348,7 +366,9 @@ def bench(python: str, sizes: list[int], reps: int, tmp: Path) -> list[dict[str,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--tokens", default="1024,4096,16384")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", action="store_true")
@@ -359,13 +379,17 @@ def main() -> None:
     )
     args = ap.parse_args()
     if not args.lmcache_python:
-        ap.error("name LMCache's python: --lmcache-python PATH or LMCACHE_PYTHON=PATH (see the usage above)")
+        ap.error(
+            "name LMCache's python: --lmcache-python PATH or LMCACHE_PYTHON=PATH (see the usage above)"
+        )
     if args.reps < 1:
         ap.error(f"--reps must be at least 1, got {args.reps}")
     sizes = [int(x) for x in args.tokens.split(",")]
     bad = [n for n in sizes if n < 2 * CHUNK or n % CHUNK]
     if bad:
-        ap.error(f"--tokens must be multiples of {CHUNK} of at least {2 * CHUNK} (the damage checks use the second chunk), got {bad}")
+        ap.error(
+            f"--tokens must be multiples of {CHUNK} of at least {2 * CHUNK} (the damage checks use the second chunk), got {bad}"
+        )
     with tempfile.TemporaryDirectory(prefix="kvc-bench-lmcache-") as tmp:
         rows = bench(args.lmcache_python, sizes, args.reps, Path(tmp))
     if args.json:
@@ -391,7 +415,10 @@ def main() -> None:
         )
     for system in ("LMCache", "kvc"):
         r = next(r for r in rows if r["system"] == system)
-        print(f"{system}: flipped byte: {r['flipped']['detail']}; truncated file: {r['truncated']['detail']}")
+        print(
+            f"{system} at {r['tokens']} tokens: flipped byte: {r['flipped']['detail']}; truncated file: "
+            f"{r['truncated']['detail']}; new process: {r['new_process']['detail']}"
+        )
     lmc = next(r for r in rows if r["system"] == "LMCache")
     print(
         "kvc's store returns when durable and catalogued (both columns are its checkpoint); "

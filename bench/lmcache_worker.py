@@ -145,13 +145,14 @@ class Worker:
         self.cpu.store(tokens_of(n, 0), kvcaches=self.kv[n])
         return stored
 
-    def store(self, n: int, variant: int) -> dict[str, Any]:
-        """Store into the disk engine; the time `store` takes to return, and until every
-        chunk is on disk (its disk backend's index has it: a retrieve before that misses)."""
+    def store(self, n: int, variant: int, kv: torch.Tensor | None = None) -> dict[str, Any]:
+        """Store `kv` (default: the bench's KV) into the disk engine; the time `store` takes
+        to return, and until every chunk is on disk (its disk backend's index has it: a
+        retrieve before that misses)."""
         tokens = tokens_of(n, variant)
         before = SYNC_CALLS.total()
         t0 = time.perf_counter()
-        self.disk.store(tokens, kvcaches=self.kv[n])
+        self.disk.store(tokens, kvcaches=self.kv[n] if kv is None else kv)
         returned = time.perf_counter() - t0
         deadline = t0 + ON_DISK_DEADLINE_S
         while self.disk.lookup(tokens, search_range=["LocalDiskBackend"]) < n:
@@ -161,14 +162,19 @@ class Worker:
         on_disk = time.perf_counter() - t0
         return {"returned_s": returned, "on_disk_s": on_disk, "fsyncs": SYNC_CALLS.total() - before}
 
-    def retrieve(self, n: int, tier: str, variant: int = 0) -> dict[str, Any]:
+    def retrieve(
+        self, n: int, tier: str, variant: int = 0, kv: torch.Tensor | None = None
+    ) -> dict[str, Any]:
+        """Retrieve into the preallocated destination; `equal`: a full hit equal to `kv`
+        (default: the bench's KV)."""
         engine = self.disk if tier == "disk" else self.cpu
         out = self.out[n]
         t0 = time.perf_counter()
         mask = engine.retrieve(tokens_of(n, variant), kvcaches=out)
         seconds = time.perf_counter() - t0
         hit = int(mask.sum())
-        return {"s": seconds, "hit": hit, "equal": hit == n and torch.equal(out, self.kv[n])}
+        expected = self.kv[n] if kv is None else kv
+        return {"s": seconds, "hit": hit, "equal": hit == n and torch.equal(out, expected)}
 
     def chunk_path(self, n: int, variant: int, index: int) -> Path:
         keys = [key for _, _, key in self.disk.token_database.process_tokens(tokens_of(n, variant))]
@@ -176,9 +182,11 @@ class Worker:
 
     def damaged(self, n: int, variant: int, damage: str) -> dict[str, Any]:
         """Store a new sequence, damage its second chunk's file on disk, retrieve it: did
-        LMCache serve the damaged bytes (a full hit that differs from what was stored) or
-        detect them (a shorter hit or an error)?"""
-        self.store(n, variant)
+        LMCache serve the damaged file (a full hit) or detect it (a shorter hit or an error)?
+        Another sequence is retrieved in between, as in any cache's life. The sequence's KV is the bench's negated,
+        so bytes left over from the bench's own sequences cannot pass for it."""
+        kv = -self.kv[n]
+        self.store(n, variant, kv)
         path = self.chunk_path(n, variant, 1)
         size = path.stat().st_size
         if damage == "flip":
@@ -189,16 +197,15 @@ class Worker:
                 f.write(bytes([byte ^ 0xFF]))
         else:
             os.truncate(path, size // 2)
+        self.retrieve(n, "disk")  # another request in between, as in any cache's life
         self.out[n].zero_()
         try:
-            got = self.retrieve(n, "disk", variant)
+            got = self.retrieve(n, "disk", variant, kv)
         except Exception as e:  # an error is detection too
             return {"verdict": "detected", "detail": f"{type(e).__name__}: {e}"}
         if got["hit"] < n:
             return {"verdict": "detected", "detail": f"hit {got['hit']} of {n} tokens"}
-        if got["equal"]:
-            return {"verdict": "not read", "detail": "full hit, bytes as stored"}
-        diff = (self.out[n].view(torch.int16) != self.kv[n].view(torch.int16)).sum().item()
+        diff = (self.out[n].view(torch.int16) != kv.view(torch.int16)).sum().item()
         return {"verdict": "served", "detail": f"full hit, {diff} values differ from the KV stored"}
 
     def probe(self, n: int) -> dict[str, Any]:
@@ -207,7 +214,15 @@ class Worker:
         self.kv[n] = torch.from_numpy(bits).view(torch.bfloat16)
         self.out[n] = torch.zeros_like(self.kv[n])
         got = self.retrieve(n, "disk")
-        return {"verdict": "hit" if got["hit"] == n else "miss", "hit": got["hit"]}
+        # Whether its chunk files are there under the names this process computes: a miss
+        # with every file present is the index (in memory only), not the hashing.
+        chunks = n // CHUNK
+        present = sum(self.chunk_path(n, 0, i).exists() for i in range(chunks))
+        return {
+            "verdict": "hit" if got["hit"] == n else "miss",
+            "hit": got["hit"],
+            "detail": f"hit {got['hit']} of {n} tokens; {present} of {chunks} chunk files on disk",
+        }
 
     def fsync_in_source(self) -> bool:
         """Does the disk backend's source mention fsync/fdatasync at all (beside the count)?"""
