@@ -141,7 +141,7 @@ def counting_syncs() -> Iterator[Counter[str]]:
 class LMCacheWorker:
     """bench/lmcache_worker.py in LMCache's venv, one JSON request and answer a line."""
 
-    def __init__(self, python: str, kv_dir: Path, disk: Path) -> None:
+    def __init__(self, python: str, kv_dir: Path, disk: Path, torch_threads: int) -> None:
         # LMCache hashes chunks with Python's hash() when vLLM is absent: PYTHONHASHSEED fixed
         # (as it tells production users to) so that a new process could find its chunks.
         env = {
@@ -151,7 +151,16 @@ class LMCacheWorker:
             "PYTHONPATH": "",
         }
         self.proc = subprocess.Popen(
-            [python, str(WORKER), "--kv-dir", str(kv_dir), "--disk", str(disk)],
+            [
+                python,
+                str(WORKER),
+                "--kv-dir",
+                str(kv_dir),
+                "--disk",
+                str(disk),
+                "--torch-threads",
+                str(torch_threads),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=sys.stderr,
@@ -327,7 +336,9 @@ def bench_size(
     ]
 
 
-def bench(python: str, sizes: list[int], reps: int, tmp: Path) -> list[dict[str, Any]]:
+def bench(
+    python: str, sizes: list[int], reps: int, torch_threads: int, tmp: Path
+) -> list[dict[str, Any]]:
     model_dir = save_random_model(tmp / "qwen2-0.5b-kv-shaped", "qwen2", seed=0, **MODEL)
     model = load_model(model_dir, "bfloat16")
     db = f"sqlite:///{tmp / 'catalog.db'}"
@@ -335,7 +346,7 @@ def bench(python: str, sizes: list[int], reps: int, tmp: Path) -> list[dict[str,
     cat = Catalog.open(db, upgrade=True)
     local = open_store(store_url)
     assert isinstance(local, LocalStore)
-    lmc = LMCacheWorker(python, tmp, tmp / "lmcache-disk")
+    lmc = LMCacheWorker(python, tmp, tmp / "lmcache-disk", torch_threads)
     print(f"LMCache {lmc.hello['lmcache']} worker ready", file=sys.stderr)
     rows: list[dict[str, Any]] = []
     with HFAdapter(model, cat, [local], "bench", CHUNK) as adapter:
@@ -349,7 +360,7 @@ def bench(python: str, sizes: list[int], reps: int, tmp: Path) -> list[dict[str,
     cat.close()
 
     # After both storing processes have closed: a new process of each asks for the KV.
-    probe = LMCacheWorker(python, tmp, tmp / "lmcache-disk")
+    probe = LMCacheWorker(python, tmp, tmp / "lmcache-disk", torch_threads)
     spawn = multiprocessing.get_context("spawn")
     with spawn.Pool(1) as pool:
         for row in rows:
@@ -371,6 +382,13 @@ def main() -> None:
     )
     ap.add_argument("--tokens", default="1024,4096,16384")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch's intra-op threads on both sides (default 1: on a shared machine, OpenMP's "
+        "spinning threads made the connector's 2-thread copy of 1k tokens 155 ms instead of 0.6)",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument(
         "--lmcache-python",
@@ -384,6 +402,9 @@ def main() -> None:
         )
     if args.reps < 1:
         ap.error(f"--reps must be at least 1, got {args.reps}")
+    if args.torch_threads < 1:
+        ap.error(f"--torch-threads must be at least 1, got {args.torch_threads}")
+    torch.set_num_threads(args.torch_threads)
     sizes = [int(x) for x in args.tokens.split(",")]
     bad = [n for n in sizes if n < 2 * CHUNK or n % CHUNK]
     if bad:
@@ -391,13 +412,14 @@ def main() -> None:
             f"--tokens must be multiples of {CHUNK} of at least {2 * CHUNK} (the damage checks use the second chunk), got {bad}"
         )
     with tempfile.TemporaryDirectory(prefix="kvc-bench-lmcache-") as tmp:
-        rows = bench(args.lmcache_python, sizes, args.reps, Path(tmp))
+        rows = bench(args.lmcache_python, sizes, args.reps, args.torch_threads, Path(tmp))
     if args.json:
         print(json.dumps(rows, indent=1))
         return
     print(
         f"kvc vs LMCache, Qwen2-0.5B KV shape (24 layers, 2 kv heads, head dim 64, bf16), chunk {CHUNK}, "
-        f"CPU ({os.cpu_count()} cores), medians of {args.reps} interleaved reps, warm page cache"
+        f"CPU ({os.cpu_count()} cores, torch threads {args.torch_threads}), medians of {args.reps} "
+        "interleaved reps, warm page cache"
     )
     print(
         f"{'tokens':>6}{'KV MB':>7}  {'system':<8}{'disk read ms':>13}{'CPU tier ms':>12}"

@@ -3,7 +3,7 @@ numpy <= 2.2.6, kvc needs >= 2.3), driven by the bench over stdin/stdout, one JS
 
 Not meant to be run by hand: bench_lmcache.py starts it as
 
-    $LMCACHE_PYTHON bench/lmcache_worker.py --kv-dir DIR --disk DIR
+    $LMCACHE_PYTHON bench/lmcache_worker.py --kv-dir DIR --disk DIR [--torch-threads N]
 
 It builds two LMCache 0.5.6 engines over the same KV layout (Qwen2-0.5B's: 24 layers, 2 kv
 heads, head dim 64, bf16, chunk 256): one local-disk engine (`local_cpu=False`, so every
@@ -238,7 +238,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--kv-dir", type=Path, required=True)
     ap.add_argument("--disk", type=Path, required=True)
+    ap.add_argument("--torch-threads", type=int, default=1)
     args = ap.parse_args()
+    torch.set_num_threads(args.torch_threads)
     # The protocol owns the real stdout; anything LMCache prints goes to stderr.
     channel = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
