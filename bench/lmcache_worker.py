@@ -58,15 +58,12 @@ LAYERS, KV_HEADS, HEAD_DIM, CHUNK = 24, 2, 64, 256
 ON_DISK_DEADLINE_S = 120.0
 
 
-class CPUTensorConnector(GPUConnectorInterface):  # type: ignore[misc]
+class CPUTensorConnector(GPUConnectorInterface):
     """Copies between a CPU KV tensor [layers, 2, tokens, kv heads, head dim] (passed as
     `kvcaches=`) and LMCache's memory objects ([2, layers, tokens, kv heads * head dim],
     its KV_2LTD format): one strided copy per chunk each way, as its GPU connectors do from
     paged memory. None of LMCache's shipped connectors copies CPU tensors (the mock one
     copies nothing)."""
-
-    def __init__(self) -> None:
-        self.kvcaches: torch.Tensor | None = None
 
     @staticmethod
     def _chunk(memory_obj: Any, start: int, end: int) -> torch.Tensor:
