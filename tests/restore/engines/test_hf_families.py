@@ -362,3 +362,29 @@ def test_a_family_whose_layers_keep_a_recurrent_state_is_refused_by_name(
     with pytest.raises(UnsupportedModelError, match=message):
         adapter(model, env)
     assert env.catalog.stats("default")["chunks"] == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["phi3", "gemma2"])
+def test_a_sliding_window_family_restores_onto_the_gpu_token_exact(
+    tmp_path: Path,
+    env: Env,  # noqa: F811
+    family: str,
+) -> None:
+    """Sliding-window layers (every layer: Phi-3; alternating with full ones: Gemma 2) restored
+    into CUDA tensors: the window's count and device set as the model's own cache has them."""
+    path = save_random_model(tmp_path / family, family, seed=3, **SMALL, **FAMILIES[family][2])
+    model = load(str(path), "bfloat16").to("cuda")
+    p = prompt(50)
+    computed = prefill(model, p[:40])
+    with adapter(model, env) as kv:
+        kv.checkpoint(p, computed)
+        restored, n = kv.restore(p)
+    assert n == 40
+    assert layer_kinds(restored) == layer_kinds(computed)
+    for got, want in zip(restored.layers, computed.layers, strict=True):
+        assert got.keys is not None and got.keys.device.type == "cuda"
+        assert got.get_mask_sizes(1) == want.get_mask_sizes(1)
+    assert same_kv(restored, computed)
+    assert generate(model, p, restored, GENERATED) == generate(model, p, computed, GENERATED)
