@@ -35,10 +35,11 @@ SMALL: dict[str, Any] = {
     "pad_token_id": None,
 }
 
-# model_type -> (its config class, the published checkpoint whose attention settings these are,
-# the settings). Heads keep the published grouping ratio and layers the published layer pattern.
-FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
+# name -> (model_type, its config class, the published checkpoint whose attention settings these
+# are, the settings). Heads keep the published grouping ratio and layers the published pattern.
+FAMILIES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
     "llama": (
+        "llama",
         "LlamaConfig",
         "meta-llama/Llama-3.2-1B",
         {
@@ -59,6 +60,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         },
     ),
     "qwen2": (
+        "qwen2",
         "Qwen2Config",
         "Qwen/Qwen2.5-0.5B",
         {
@@ -74,6 +76,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         },
     ),
     "qwen3": (
+        "qwen3",
         "Qwen3Config",
         "Qwen/Qwen3-0.6B",
         {
@@ -90,6 +93,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         },
     ),
     "mistral": (
+        "mistral",
         "MistralConfig",
         "mistralai/Mistral-7B-v0.1",
         {
@@ -101,6 +105,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         },
     ),
     "phi3": (
+        "phi3",
         "Phi3Config",
         "microsoft/Phi-3-mini-4k-instruct",
         {
@@ -112,7 +117,29 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
             "original_max_position_embeddings": 4096,
         },
     ),
+    "phi3.5": (
+        "phi3",
+        "Phi3Config",
+        "microsoft/Phi-3.5-mini-instruct",
+        {
+            "hidden_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "sliding_window": 262143,
+            "max_position_embeddings": 131072,
+            "original_max_position_embeddings": 4096,
+            # LongRoPE; the factor lists cut to head_dim / 2 entries, in the published ranges.
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0, 1.02, 1.03, 1.03, 1.05, 1.05, 1.06, 1.08],
+                "long_factor": [1.08, 1.11, 1.14, 1.34, 1.59, 1.6, 1.62, 2.62],
+            },
+        },
+    ),
     "olmo": (
+        "olmo",
         "OlmoConfig",
         "allenai/OLMo-1B-hf",
         {
@@ -125,6 +152,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         },
     ),
     "olmo2": (
+        "olmo2",
         "Olmo2Config",
         "allenai/OLMo-2-1124-7B",
         {
@@ -136,6 +164,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         },
     ),
     "gpt_neox": (
+        "gpt_neox",
         "GPTNeoXConfig",
         "EleutherAI/pythia-70m",
         {
@@ -147,6 +176,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         },
     ),
     "gemma": (
+        "gemma",
         "GemmaConfig",
         "google/gemma-2b",
         {
@@ -158,6 +188,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         },
     ),
     "gemma2": (
+        "gemma2",
         "Gemma2Config",
         "google/gemma-2-2b",
         {
@@ -173,6 +204,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         },
     ),
     "gemma3_text": (
+        "gemma3_text",
         "Gemma3TextConfig",
         "google/gemma-3-1b-pt",
         {
@@ -197,10 +229,13 @@ GENERATED = 8
 @pytest.fixture(scope="module")
 def family_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("families")
-    return {
-        family: str(save_random_model(root / family, family, seed=3, **SMALL, **settings))
-        for family, (_, _, settings) in FAMILIES.items()
-    }
+    return {family: str(build(root / family, family)) for family in FAMILIES}
+
+
+def build(directory: Path, family: str, **changes: Any) -> Path:
+    """A random-weight checkpoint of `family` (its published settings, then `changes`)."""
+    model_type, _, _, settings = FAMILIES[family]
+    return save_random_model(directory, model_type, seed=3, **(SMALL | settings | changes))
 
 
 def layer_kinds(cache: DynamicCache) -> list[str]:
@@ -226,7 +261,7 @@ def test_a_family_checkpoints_and_restores_through_generate_token_exact(
     family_dirs: dict[str, str],
     env: Env,  # noqa: F811
 ) -> None:
-    config_class = FAMILIES[family][0]
+    config_class = FAMILIES[family][1]
     writer = load(family_dirs[family], "float32")
     assert type(writer.config).__name__ == config_class
     # No kvc: generate fills a cache; that cache (a copy) continues a longer prompt.
@@ -266,8 +301,7 @@ def test_a_sliding_window_cache_that_dropped_positions_is_refused_and_nothing_st
     family: str,
     window: int,
 ) -> None:
-    settings = FAMILIES[family][2] | {"sliding_window": window}
-    model = load(str(save_random_model(tmp_path / family, family, **SMALL, **settings)), "float32")
+    model = load(str(build(tmp_path / family, family, sliding_window=window)), "float32")
     p = prompt(40)
     with adapter(model, env) as kv:
         # Within the window every position is held: stored.
@@ -291,8 +325,7 @@ def test_a_sliding_cache_recording_its_past_restores_to_what_the_window_keeps(
     layer exactly as transformers' own update would: the last `sliding_window - 1` positions
     and the count of all of them."""
     window = 16
-    settings = FAMILIES["mistral"][2] | {"sliding_window": window}
-    model = load(str(save_random_model(tmp_path / "m", "mistral", **SMALL, **settings)), "float32")
+    model = load(str(build(tmp_path / "m", "mistral", sliding_window=window)), "float32")
     p = prompt(40)
     recording = DynamicCache(config=model.config)
     for layer in recording.layers:
@@ -374,8 +407,7 @@ def test_a_sliding_window_family_restores_onto_the_gpu_token_exact(
 ) -> None:
     """Sliding-window layers (every layer: Phi-3; alternating with full ones: Gemma 2) restored
     into CUDA tensors: the window's count and device set as the model's own cache has them."""
-    path = save_random_model(tmp_path / family, family, seed=3, **SMALL, **FAMILIES[family][2])
-    model = load(str(path), "bfloat16").to("cuda")
+    model = load(str(build(tmp_path / family, family)), "bfloat16").to("cuda")
     p = prompt(50)
     computed = prefill(model, p[:40])
     with adapter(model, env) as kv:
