@@ -44,6 +44,7 @@ from bench_restore import median_s
 from catalog.catalog import Catalog
 from chunkstore import open_store
 from restore.engines.hf import DEMO_MODEL, HFAdapter, greedy, load_model, save_random_model
+from tests.restore.engines.hf_worker import cache_digests
 
 MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-0.5b": ("qwen2", QWEN2_05B),
@@ -72,18 +73,6 @@ def copy_floor(nbytes: int, device: torch.device) -> Callable[[], None]:
     return run
 
 
-def same_kv(a: Any, b: Any) -> bool:
-    """K and V of every layer equal bit for bit (compared as integers: bfloat16 too)."""
-
-    def bits(t: torch.Tensor) -> torch.Tensor:
-        return t.contiguous().view({2: torch.int16, 4: torch.int32}[t.element_size()])
-
-    return all(
-        torch.equal(bits(x.keys), bits(y.keys)) and torch.equal(bits(x.values), bits(y.values))
-        for x, y in zip(a.layers, b.layers, strict=True)
-    )
-
-
 def bench(
     model_dir: Path, dtype: str, n: int, reps: int, device: torch.device, vocab: int, tmp: Path
 ) -> dict[str, Any]:
@@ -108,7 +97,7 @@ def bench(
 
         restored = restore()
         out["on_device"] = all(layer.keys.device == model.device for layer in restored.layers)
-        out["exact"] = same_kv(restored, computed)
+        out["exact"] = cache_digests(restored) == cache_digests(computed)  # bit for bit
         del restored
         out["restore_s"] = median_s(restore, reps)
         out["floor_s"] = median_s(copy_floor(kv_bytes, device), reps)

@@ -52,10 +52,11 @@ EXIT_BENCH = 6
 EXIT_TIME = 7
 
 GPU_PROBE = (
-    "import json, torch\n"
+    "import json, platform, torch\n"
     "ok = torch.cuda.is_available()\n"
     "print(json.dumps({'cuda': ok, 'torch': torch.__version__, 'cuda_build': torch.version.cuda,\n"
-    "    'device': torch.cuda.get_device_name(0) if ok else None}))\n"
+    "    'device': torch.cuda.get_device_name(0) if ok else None,\n"
+    "    'python': platform.python_version()}))\n"
 )
 
 
@@ -170,8 +171,17 @@ def run(python: str, wheels: Path, work: Path, budget_s: float) -> tuple[int, di
         print(f"gpu_check: no CUDA GPU: {why}. Nothing was installed or run.", file=sys.stderr)
         return EXIT_NO_GPU, report
     print(f"gpu_check: {gpu['device']}, torch {gpu['torch']}, CUDA {gpu['cuda_build']}")
-    if not (wheels / "requirements.txt").is_file():
-        print(f"gpu_check: {wheels} holds no requirements.txt: run make_wheels.py", file=sys.stderr)
+    manifest = wheels / "manifest.json"
+    if not (manifest.is_file() and (wheels / "requirements.txt").is_file()):
+        print(f"gpu_check: {wheels} is not a wheel folder: run make_wheels.py", file=sys.stderr)
+        return EXIT_INSTALL, report
+    made_for = json.loads(manifest.read_text())["python"]
+    if not str(gpu["python"]).startswith(f"{made_for}."):
+        print(
+            f"gpu_check: {python} is Python {gpu['python']}; the wheels are for CPython "
+            f"{made_for}: pass --python with a {made_for} that has torch",
+            file=sys.stderr,
+        )
         return EXIT_INSTALL, report
     try:
         venv = work / "venv"

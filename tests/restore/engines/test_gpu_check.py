@@ -182,6 +182,27 @@ def test_a_python_without_torch_exits_3_naming_it(tmp_path: Path) -> None:
     assert not work.exists()
 
 
+def test_a_python_other_than_the_wheels_one_or_no_wheel_folder_exits_4_before_installing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gpu = {
+        "cuda": True,
+        "torch": "2.11.0",
+        "cuda_build": "12.8",
+        "device": "GPU",
+        "python": "3.11.7",
+    }
+    monkeypatch.setattr(gpu_run, "probe_gpu", lambda python: gpu)
+    wheels, work = tmp_path / "wheels", tmp_path / "work"
+    work.mkdir()
+    assert gpu_run.run("python3", wheels, work, 60)[0] == gpu_run.EXIT_INSTALL == 4  # no folder
+    wheels.mkdir()
+    (wheels / "requirements.txt").write_text("kvc==0.1.0\n")
+    (wheels / "manifest.json").write_text(json.dumps({"python": "3.12"}))
+    assert gpu_run.run("python3", wheels, work, 60)[0] == 4  # a Python 3.11
+    assert list(work.iterdir()) == []  # nothing made, nothing installed
+
+
 @pytest.mark.slow
 def test_the_copied_tests_collect_and_report_the_cuda_tests(tmp_path: Path) -> None:
     """run.py's test step as it runs there, on a copy of tests/ that imports the installed kvc:
