@@ -9,12 +9,12 @@ from typing import Any
 import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from catalog import AttentionLayout
 from catalog.models import Shard
 from chunkstore.record import check_finite
-from restore.engines.hf.identity import full_attention_layers
+from restore.engines.hf.identity import attention_layers, check_window
 from restore.engines.torch_kv import numpy_view, torch_dtype
 from restore.errors import InputError, UnsupportedModelError
 from restore.pages import check_payload, check_range, check_span, payload_shape
@@ -44,6 +44,7 @@ class CacheSnapshot:
         for i, layer in enumerate(layers):
             if not layer.is_initialized or layer.keys is None or layer.values is None:
                 raise InputError(f"cache layer {shard.layer_lo + i} holds no KV")
+            check_window(layer, shard.layer_lo + i)
             k, v = layer.keys.detach(), layer.values.detach()
             for name, t in (("keys", k), ("values", v)):
                 got = (t.shape[0], t.shape[1], t.shape[3]) if t.dim() == 4 else tuple(t.shape)
@@ -171,11 +172,17 @@ class CacheDestination:
         device = self._model.device
         kv = host if device.type == "cpu" else host.to(device, non_blocking=True)
         cache = DynamicCache(config=self._model.config)
-        layers = full_attention_layers(cache)
+        layers = attention_layers(cache)
         for i in range(self._layout.num_layers):
             layer = layers[self._shard.layer_lo + i]
-            k = kv[i, 0, :tokens].transpose(0, 1).unsqueeze(0)
-            v = kv[i, 1, :tokens].transpose(0, 1).unsqueeze(0)
+            start = 0
+            if isinstance(layer, DynamicSlidingWindowLayer):
+                # What the layer's own `update` leaves after `tokens` positions: the last
+                # `sliding_window - 1` of them, and the count of every position it has seen.
+                start = max(tokens - (layer.sliding_window - 1), 0)
+                layer.cumulative_length = tokens
+            k = kv[i, 0, start:tokens].transpose(0, 1).unsqueeze(0)
+            v = kv[i, 1, start:tokens].transpose(0, 1).unsqueeze(0)
             layer.lazy_initialization(k, v)
             layer.keys, layer.values = k, v
         self.cache = cache
