@@ -37,6 +37,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SlidingWindowSpec,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
@@ -147,6 +148,19 @@ def run_step(c: KvcConnector, meta: KvcConnectorMetadata) -> None:
     c.clear_connector_metadata()
 
 
+def load_now(c: KvcConnector, *loads: LoadSpec, deadline_s: float = 20.0) -> None:
+    """Run a step with `loads` and wait until the worker reports every one received (a load
+    runs on the connector's load threads, beside the forward passes)."""
+    run_step(c, KvcConnectorMetadata(loads=list(loads)))
+    waiting = {load.req_id for load in loads if load.load_async}
+    stop = time.monotonic() + deadline_s
+    while waiting:
+        assert time.monotonic() < stop, f"loads {waiting} not received"
+        _sending, received = c.get_finished(set())
+        waiting -= received or set()
+        time.sleep(0.001)
+
+
 def save(c: KvcConnector, tokens: list[int], blocks: list[int]) -> None:
     run_step(c, KvcConnectorMetadata(saves=[SaveSpec("r-save", tuple(tokens), tuple(blocks))]))
     assert c.checkpointer is not None
@@ -186,8 +200,7 @@ def test_worker_round_trips_kv_in_vllms_layout_bit_for_bit(model_dir: Path, tmp_
     dst = kv_caches(fill=False)
     r = worker(config, dst)
     dst_blocks = list(range(40, 50))
-    load = LoadSpec("r1", (*tokens, 7), tuple(dst_blocks), 0, 160)
-    run_step(r, KvcConnectorMetadata(loads=[load]))
+    load_now(r, LoadSpec("r1", (*tokens, 7), tuple(dst_blocks), 0, 160))
     assert r.get_block_ids_with_load_errors() == set()
     for a, b in zip(positions(src, list(range(3, 13)), 160), positions(dst, dst_blocks, 160), strict=True):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
@@ -205,7 +218,7 @@ def test_positions_vllm_already_holds_are_not_written(model_dir: Path, tmp_path:
     dst = kv_caches(fill=False)
     r = worker(config, dst)
     blocks = list(range(20, 28))
-    run_step(r, KvcConnectorMetadata(loads=[LoadSpec("r1", (*tokens, 7), tuple(blocks), 64, 128)]))
+    load_now(r, LoadSpec("r1", (*tokens, 7), tuple(blocks), 64, 128))
     got = positions(dst, blocks, 128)
     want = positions(src, list(range(0, 8)), 128)
     for g, w_ in zip(got, want, strict=True):
@@ -235,7 +248,7 @@ def test_a_corrupted_chunk_reports_its_blocks_and_writes_no_bytes(model_dir: Pat
     dst = kv_caches(fill=False)
     r = worker(config, dst)
     blocks = list(range(30, 46))
-    run_step(r, KvcConnectorMetadata(loads=[LoadSpec("r1", (*tokens, 7), tuple(blocks), 0, 256)]))
+    load_now(r, LoadSpec("r1", (*tokens, 7), tuple(blocks), 0, 256))
     # Positions 128..255 (chunks 3 and 4) could not be restored: their blocks go back to vLLM.
     assert r.get_block_ids_with_load_errors() == set(blocks[8:])
     assert r.get_block_ids_with_load_errors() == set()  # reported once
@@ -274,8 +287,14 @@ def request(req_id: str, tokens: list[int], **kwargs: Any) -> Request:
     )
 
 
-def test_vllms_scheduler_loads_the_stored_prefix_in_whole_blocks(model_dir: Path, tmp_path: Path) -> None:
-    config = vllm_config(model_dir, tmp_path)
+@pytest.mark.parametrize("load_async", [True, False])
+def test_vllms_scheduler_loads_the_stored_prefix_in_whole_blocks(
+    model_dir: Path, tmp_path: Path, load_async: bool
+) -> None:
+    """An asynchronous load (the default): vLLM allocates the blocks, parks the request while
+    the worker loads, and schedules only the rest of the prompt once the worker reports it
+    received; a synchronous one (`load_async: false`) is scheduled in the step of its load."""
+    config = vllm_config(model_dir, tmp_path, load_async=load_async)
     w = worker(config, kv_caches(fill=True))
     stored = list(range(1, 201))  # 200 positions: chunks of 64, 64, 64, 8
     save(w, stored, list(range(0, 13)))
@@ -292,12 +311,28 @@ def test_vllms_scheduler_loads_the_stored_prefix_in_whole_blocks(model_dir: Path
     assert set(loads) == {"hit"}
     load = loads["hit"]
     # 200 stored, whole blocks of 16: 192; vLLM computes the rest.
-    assert (load.start, load.end) == (0, 192)
+    assert (load.start, load.end, load.load_async) == (0, 192, load_async)
     assert list(load.token_ids) == prompt[:193]
-    new = {r.req_id: r for r in out.scheduled_new_reqs}
-    assert list(load.block_ids) == list(new["hit"].block_ids[0])
-    assert out.num_scheduled_tokens["hit"] == len(prompt) - 192
+    assert list(load.block_ids) == sched.kv_cache_manager.get_block_ids("hit")[0]
     assert out.num_scheduled_tokens["miss"] == 40
+    if load_async:
+        assert "hit" not in out.num_scheduled_tokens
+        assert sched.requests["hit"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        r = worker(config, kv_caches(fill=False))
+        run_step(r, meta)  # the load starts; the step's forward computes "miss"
+        sched.update_from_output(out, runner_output(list(out.num_scheduled_tokens), token=1))
+        scheduled: list[Any] = []
+        drive(
+            sched,
+            r,
+            until=lambda: bool(scheduled),
+            on_step=lambda o: scheduled.extend([o] if "hit" in o.num_scheduled_tokens else []),
+        )
+        r.shutdown()
+        out = scheduled[0]
+    new = {q.req_id: q for q in out.scheduled_new_reqs}
+    assert list(new["hit"].block_ids[0][: len(load.block_ids)]) == list(load.block_ids)
+    assert out.num_scheduled_tokens["hit"] == len(prompt) - 192
     # vLLM's hit metrics count these tokens under the disk source.
     connector = sched.get_kv_connector()
     assert connector is not None
@@ -346,8 +381,6 @@ EOS = 2
 
 
 def runner_output(req_ids: list[str], token: int = 0, finished_sending: set[str] | None = None) -> Any:
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-
     return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -482,7 +515,7 @@ def test_the_catalog_comes_back_from_the_store_alone_names_included(
     assert names(url, "vllm") == before
     dst = kv_caches(fill=False)
     r = worker(config, dst)
-    run_step(r, KvcConnectorMetadata(loads=[LoadSpec("r1", (*tokens, 7), tuple(range(40, 50)), 0, 160)]))
+    load_now(r, LoadSpec("r1", (*tokens, 7), tuple(range(40, 50)), 0, 160))
     assert r.get_block_ids_with_load_errors() == set()
     for a, b in zip(positions(src, list(range(3, 13)), 160), positions(dst, list(range(40, 50)), 160), strict=True):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
@@ -518,7 +551,8 @@ def drive(
 ) -> list[Any]:
     """vLLM's engine loop with a CPU model runner that samples token 1: each step the scheduler
     schedules, the worker side runs the step's loads and saves, and the runner's output carries
-    what the worker reports (saves read, blocks that failed to load) back to the scheduler.
+    what the worker reports (saves copied out, loads received, blocks that failed to load)
+    back to the scheduler, as vLLM's model runner mixin does.
     Returns the scheduler outputs, until `until()` holds."""
     outs = []
     stop = time.monotonic() + deadline_s
@@ -531,16 +565,13 @@ def drive(
         run_step(w, meta)
         if on_step is not None:
             on_step(out)
-        sending, _ = w.get_finished(set())
-        invalid = w.get_block_ids_with_load_errors()
-        req_ids = list(out.num_scheduled_tokens)
-        output = runner_output(req_ids, token=1, finished_sending=sending)
-        if invalid:
-            from vllm.v1.outputs import KVConnectorOutput
-
-            output.kv_connector_output = KVConnectorOutput(
-                finished_sending=sending, invalid_block_ids=invalid
-            )
+        sending, received = w.get_finished(set())
+        output = runner_output(list(out.num_scheduled_tokens), token=1)
+        output.kv_connector_output = KVConnectorOutput(
+            finished_sending=sending,
+            finished_recving=received,
+            invalid_block_ids=w.get_block_ids_with_load_errors(),
+        )
         sched.update_from_output(out, output)
     return outs
 
@@ -612,7 +643,8 @@ def test_a_preempted_request_gets_its_load_again_when_resumed(
     new request. Either way the load is in that step's metadata, into the blocks it holds now,
     and the prefix is in them."""
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0" if runner == "v1" else "1")
-    config = vllm_config(model_dir, tmp_path)
+    # Synchronous loads: the load is in the step that schedules the resumed request.
+    config = vllm_config(model_dir, tmp_path, load_async=False)
     src_caches = kv_caches(fill=True)
     src = worker(config, src_caches)
     stored = list(range(1, 129))  # 8 blocks
@@ -691,8 +723,10 @@ def test_a_corrupt_chunk_is_recomputed_by_vllm_and_the_request_finishes(
     if policy == "recompute":
         assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
         assert req.num_output_tokens == 4
-        # the second step recomputed from the last verified position (chunks 1 and 2: 128)
-        assert outs[1].num_scheduled_tokens["hit"] == len(req.prompt_token_ids or []) - 128
+        # once the load was received, vLLM recomputed from the last verified position
+        # (chunks 1 and 2: 128)
+        first = next(o for o in outs if "hit" in o.num_scheduled_tokens)
+        assert first.num_scheduled_tokens["hit"] == len(req.prompt_token_ids or []) - 128
     else:
         assert req.status == RequestStatus.FINISHED_ERROR
     sched.shutdown()
