@@ -106,6 +106,7 @@ __all__ = ["KvcConnector", "KvcConnectorMetadata", "vllm_fingerprint"]
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class LoadSpec:
     """Restore positions `[start, end)` into `block_ids` (the request's table); `token_ids` are the
@@ -181,7 +182,9 @@ def vllm_layout(vllm_config: VllmConfig) -> AttentionLayout:
     if vllm_config.parallel_config.pipeline_parallel_size != 1:
         raise UnsupportedModelError("pipeline parallelism is not supported by the kvc connector")
     cache_dtype = vllm_config.cache_config.cache_dtype
-    dtype = model.dtype if cache_dtype in (None, "auto") else getattr(torch, cache_dtype, cache_dtype)
+    dtype = (
+        model.dtype if cache_dtype in (None, "auto") else getattr(torch, cache_dtype, cache_dtype)
+    )
     if dtype not in DTYPES:
         raise UnsupportedModelError(
             f"KV cache dtype {dtype}: kvc stores float32, float16 and bfloat16 KV exactly "
@@ -282,7 +285,9 @@ class BlockTable:
         self._reserved = 0
         self._on_device = layers[0].device.type != "cpu"
         if self._on_device and stream is None:
-            raise InputError("vLLM's KV cache is on a device: its copies need the connector's stream")
+            raise InputError(
+                "vLLM's KV cache is on a device: its copies need the connector's stream"
+            )
         self._stream = stream
         self._after = after
         self.restored = 0
@@ -433,7 +438,10 @@ class BlockTable:
 
 
 def layer_views(
-    kv_caches: dict[str, torch.Tensor], layer_names: list[str], shard_layout: AttentionLayout, block_size: int
+    kv_caches: dict[str, torch.Tensor],
+    layer_names: list[str],
+    shard_layout: AttentionLayout,
+    block_size: int,
 ) -> list[torch.Tensor]:
     """vLLM's per-layer tensors, in layer order, as `[blocks, 2, block size, heads, head size]` views.
 
@@ -474,7 +482,9 @@ class KvcConnector(KVConnectorBase_V1):
         chunk_size = int(extra.get("chunk_size", 256))
         stores = _config_get(extra, "stores")
         if isinstance(stores, str) or not stores:
-            raise InputError("kv_connector_extra_config 'stores' must be a non-empty list of store URLs")
+            raise InputError(
+                "kv_connector_extra_config 'stores' must be a non-empty list of store URLs"
+            )
         check_full_attention(kv_cache_config)
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             log.warning(
@@ -494,10 +504,14 @@ class KvcConnector(KVConnectorBase_V1):
         # Loads run beside the forward passes (vLLM's asynchronous loads) unless told not to.
         self._load_async = extra.get("load_async", True)
         if not isinstance(self._load_async, bool):
-            raise InputError(f"kv_connector_extra_config 'load_async' must be true or false, got {self._load_async!r}")
+            raise InputError(
+                f"kv_connector_extra_config 'load_async' must be true or false, got {self._load_async!r}"
+            )
         load_threads = extra.get("load_threads", 2)
         if isinstance(load_threads, bool) or not isinstance(load_threads, int) or load_threads < 1:
-            raise InputError(f"kv_connector_extra_config 'load_threads' must be an integer >= 1, got {load_threads!r}")
+            raise InputError(
+                f"kv_connector_extra_config 'load_threads' must be an integer >= 1, got {load_threads!r}"
+            )
         # Scheduler state.
         self._offered: dict[str, tuple[int, int]] = {}  # req id -> (computed, end) offered
         self._loads: dict[str, LoadSpec] = {}  # allocated, for the next metadata
@@ -557,8 +571,11 @@ class KvcConnector(KVConnectorBase_V1):
             self.skipped[reason] += 1
             with self._lock:
                 self._stats.record_skip(reason)
-            log.debug("kvc skips request %s (%s): vLLM keys its KV on more than token ids",
-                      request.request_id, reason)
+            log.debug(
+                "kvc skips request %s (%s): vLLM keys its KV on more than token ids",
+                request.request_id,
+                reason,
+            )
         return True
 
     def _stored_by_every_rank(self, tokens: list[int], limit: int, need: int) -> int:
@@ -631,7 +648,9 @@ class KvcConnector(KVConnectorBase_V1):
         for load in meta.loads:
             if load.load_async:
                 first = load.start // self._block_size
-                self._loading[load.req_id] = frozenset(load.block_ids[first : -(-load.end // self._block_size)])
+                self._loading[load.req_id] = frozenset(
+                    load.block_ids[first : -(-load.end // self._block_size)]
+                )
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -843,7 +862,9 @@ class KvcConnector(KVConnectorBase_V1):
                 try:
                     staged, done = table.stage()
                 except Exception as exc:  # a save not made is a future miss
-                    log.warning("kvc could not copy request %s's KV to host memory: %s", save.req_id, exc)
+                    log.warning(
+                        "kvc could not copy request %s's KV to host memory: %s", save.req_id, exc
+                    )
                     with self._lock:
                         self._stats.record_save(None)
                         self._saved.add(save.req_id)
@@ -908,7 +929,9 @@ class KvcConnector(KVConnectorBase_V1):
         return stats
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
         return KvcConnectorStats(data=dict(data or {}))
 
     @classmethod
@@ -948,4 +971,3 @@ def _layer_index(name: str) -> int:
     if len(numbers) != 1:
         raise UnsupportedModelError(f"cannot tell the layer index of vLLM layer {name!r}")
     return numbers[0]
-
