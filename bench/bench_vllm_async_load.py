@@ -227,6 +227,8 @@ def run(
         "steps": steps_during,
         "idle_ms": statistics.median(idle) * 1e3,
         "median_ms": statistics.median(step_times) * 1e3,
+        "p90_ms": sorted(step_times)[int(0.9 * (len(step_times) - 1))] * 1e3,
+        "longest_at": max(range(len(step_times)), key=step_times.__getitem__),
         "max_ms": max(step_times) * 1e3,
     }
 
@@ -291,12 +293,13 @@ def main() -> None:
     )
     print(
         f"{'load':<13} {'load s':>7} {'steps of the others during it':>30} "
-        f"{'median step ms':>15} {'longest step ms':>16} {'median step ms, no load':>24}"
+        f"{'median step ms':>15} {'p90 step ms':>12} {'longest step ms (step #)':>25} "
+        f"{'median step ms, no load':>24}"
     )
     for name, r in rows:
         print(
             f"{name:<13} {r['load_s']:7.2f} {r['steps']:30.0f} {r['median_ms']:15.1f} "
-            f"{r['max_ms']:16.1f} {r['idle_ms']:24.1f}"
+            f"{r['p90_ms']:12.1f} {r['max_ms']:19.1f} ({r['longest_at']:3.0f}) {r['idle_ms']:24.1f}"
         )
 
 
