@@ -795,9 +795,10 @@ class KvcConnector(KVConnectorBase_V1):
         """An asynchronous load, on a load thread: done (its copies landed, or it stopped)
         before it is reported received, whatever happens."""
         try:
-            done = self._load(load, after, cancel)
-            if done is not None:
-                done.synchronize()
+            if not cancel.is_set():  # aborted before it started: nothing to stop
+                done = self._load(load, after, cancel)
+                if done is not None:
+                    done.synchronize()
         finally:
             with self._lock:
                 self._cancel.pop(load.req_id, None)
