@@ -1056,3 +1056,56 @@ def test_cuda_a_load_lands_after_what_the_forward_stream_enqueued_before_it(
     for got, expected in zip(positions(dst, list(range(20, 28)), 128), positions(src_caches, list(range(8)), 128), strict=True):
         assert torch.equal(got.cpu().view(torch.int16), expected.view(torch.int16))
     r.shutdown()
+
+
+def test_a_preempted_request_loads_again_asynchronously_into_the_blocks_it_holds_then(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """With asynchronous loads, a request vLLM preempts after its load (its blocks freed and
+    reused) is offered its prefix again when vLLM takes it back; the second load goes into
+    the blocks vLLM allocated then (`update_state_after_alloc`), which are the blocks the
+    resumed request computes on, and they hold the prefix."""
+    config = vllm_config(model_dir, tmp_path)
+    src_caches = kv_caches(fill=True)
+    src = worker(config, src_caches)
+    stored = list(range(1, 129))  # 8 blocks
+    save(src, stored, list(range(0, 8)))
+    src.shutdown()
+
+    config.cache_config.enable_prefix_caching = False  # a resume finds nothing in vLLM's own cache
+    sched = make_scheduler(config, num_blocks=20)  # 19 usable: both prompts, then too few
+    caches = kv_caches(fill=False)
+    w = worker(config, caches)
+    for name, tail in (("a", range(300, 316)), ("b", range(500, 516))):
+        sched.add_request(request(name, [*stored, *tail], max_tokens=40))
+    loads: list[LoadSpec] = []
+    computed_on: dict[str, list[list[int]]] = {"a": [], "b": []}  # blocks after each load
+    preempted: set[str] = set()
+
+    def record(out: Any) -> None:
+        loads.extend(out.kv_connector_metadata.loads)
+        for name, tables in computed_on.items():
+            if name in out.num_scheduled_tokens and len(tables) < sum(
+                load.req_id == name for load in loads
+            ):
+                tables.append(list(sched.kv_cache_manager.get_block_ids(name)[0]))
+        for name in computed_on:
+            req = sched.requests.get(name)
+            if req is not None and req.status == RequestStatus.PREEMPTED:
+                preempted.add(name)
+                for t in caches.values():
+                    t.zero_()  # its blocks are free: whatever was in them is gone
+
+    drive(sched, w, until=lambda: not sched.has_requests(), on_step=record)
+    [again] = preempted
+    reloads = [load for load in loads if load.req_id == again]
+    assert [(load.start, load.end, load.load_async) for load in reloads] == [(0, 128, True)] * 2
+    assert list(reloads[1].block_ids) == computed_on[again][1][: len(reloads[1].block_ids)]
+    for got, want in zip(
+        positions(caches, list(reloads[1].block_ids), 128),
+        positions(src_caches, list(range(0, 8)), 128),
+        strict=True,
+    ):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    sched.shutdown()
+    w.shutdown()
