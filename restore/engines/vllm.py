@@ -47,6 +47,7 @@ standard view); any other shape is refused with an error naming it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -794,11 +795,18 @@ class KvcConnector(KVConnectorBase_V1):
     ) -> None:
         """An asynchronous load, on a load thread: done (its copies landed, or it stopped)
         before it is reported received, whatever happens."""
+        # A new thread starts on device 0: copies go to the device of this rank's blocks.
+        on_device: contextlib.AbstractContextManager[Any] = (
+            torch.cuda.device(self._stream.device)
+            if self._stream is not None
+            else contextlib.nullcontext()
+        )
         try:
-            if not cancel.is_set():  # aborted before it started: nothing to stop
-                done = self._load(load, after, cancel)
-                if done is not None:
-                    done.synchronize()
+            with on_device:
+                if not cancel.is_set():  # aborted before it started: nothing to stop
+                    done = self._load(load, after, cancel)
+                    if done is not None:
+                        done.synchronize()
         finally:
             with self._lock:
                 self._cancel.pop(load.req_id, None)

@@ -825,7 +825,7 @@ def test_a_slow_load_does_not_hold_back_the_other_requests(model_dir: Path, tmp_
     w = worker(config, caches)
     held = hold_store(w)
     held.gets.clear()
-    sched.add_request(request("other", [400 + i for i in range(40)], max_tokens=200))
+    sched.add_request(request("other", [400 + i for i in range(40)], max_tokens=600))
     drive(sched, w, until=lambda: sched.requests["other"].num_output_tokens > 0)
     sched.add_request(request("hit", [*stored, 300, 301, 302]))
     other_steps = 0
@@ -837,9 +837,9 @@ def test_a_slow_load_does_not_hold_back_the_other_requests(model_dir: Path, tmp_
         if "hit" in out.num_scheduled_tokens:
             hit_steps.append(out)
 
-    drive(sched, w, until=lambda: held.gets_started > 0, on_step=count)  # blocked in its store
-    other_steps = 0
-    drive(sched, w, until=lambda: other_steps >= 40, on_step=count)
+    # Every step from the arrival of "hit" on is a step during its load: the load cannot end
+    # before the test opens the store.
+    drive(sched, w, until=lambda: other_steps >= 40 and held.gets_started > 0, on_step=count)
     assert sched.requests["hit"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert hit_steps == []
     held.gets.set()
