@@ -318,7 +318,10 @@ class OracleEngine:
         out = self.scheduler.schedule()
         record = self._record(out)
         self.batch_queue.append((out, self._execute(out, record)))
-        if len(self.batch_queue) >= self.queue_size or not out.total_num_scheduled_tokens:
+        # Nothing new scheduled: the engine waits for every batch in flight.
+        while self.batch_queue and (
+            len(self.batch_queue) >= self.queue_size or not out.total_num_scheduled_tokens
+        ):
             old, output = self.batch_queue.popleft()
             self.scheduler.update_from_output(old, output)
             self._collect_finished()
