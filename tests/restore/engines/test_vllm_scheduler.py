@@ -204,7 +204,21 @@ def test_a_request_aborted_while_its_load_runs_releases_everything(
 # ---- loads that fail --------------------------------------------------------------------------
 
 
-@SCHEDULING
+SYNC_LOAD_FAILURE_UNDER_ASYNC_SCHEDULING = pytest.mark.xfail(
+    strict=True,
+    reason="the connector loads synchronously (load_async comes with h1-vllm-async): under "
+    "async scheduling vLLM 0.33 has already scheduled and run the next step over the blocks "
+    "that failed to load, accepts the token it sampled and keeps that step's output "
+    "placeholder, so the request's next positions are computed from the wrong tokens (the "
+    "oracle sees position 259 hold the KV of another token than the scheduler's)",
+)
+
+
+@pytest.mark.parametrize(
+    "async_scheduling",
+    [False, pytest.param(True, marks=SYNC_LOAD_FAILURE_UNDER_ASYNC_SCHEDULING)],
+    ids=["sync", "async"],
+)
 def test_a_corrupt_chunk_is_recomputed_and_the_request_succeeds(
     model_dir: Path, tmp_path: Path, async_scheduling: bool
 ) -> None:

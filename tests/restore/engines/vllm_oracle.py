@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import json
+import pickle
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -186,6 +187,7 @@ class RunnerRequest:
     tokens: list[int]
     blocks: list[int]
     identity: Identity
+    prompt_len: int
 
 
 class OracleRank:
@@ -373,20 +375,27 @@ class OracleEngine:
             tokens = (
                 new.prefill_token_ids if new.prefill_token_ids is not None else new.prompt_token_ids
             )
+            req = self._requests[new.req_id]
             self.runner[new.req_id] = RunnerRequest(
-                list(tokens or []), list(new.block_ids[0]), Identity.of(self._requests[new.req_id])
+                list(tokens or []), list(new.block_ids[0]), Identity.of(req), req.num_prompt_tokens
             )
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             new_blocks = cached.new_block_ids[i]
+            req = self._requests[req_id]
             if req_id in cached.resumed_req_ids:
                 self.runner[req_id] = RunnerRequest(
-                    list(cached.all_token_ids.get(req_id, self._requests[req_id].all_token_ids)),
+                    list(cached.all_token_ids.get(req_id, req.all_token_ids)),
                     list(new_blocks[0]) if new_blocks is not None else [],
-                    Identity.of(self._requests[req_id]),
+                    Identity.of(req),
+                    req.num_prompt_tokens,
                 )
-            elif new_blocks is not None:
-                self.runner[req_id].blocks.extend(new_blocks[0])
+                continue
+            state = self.runner[req_id]
+            # Tokens sampled by a step whose output vLLM discarded (a failed load) are dropped.
+            del state.tokens[state.prompt_len + cached.num_output_tokens[i] :]
+            if new_blocks is not None:
+                state.blocks.extend(new_blocks[0])
 
     def _start(self, out: SchedulerOutput, req_id: str) -> int:
         for new in out.scheduled_new_reqs:
@@ -404,19 +413,21 @@ class OracleEngine:
             sampled = self._forward(out, record) if forward else {}
             kv_outputs = [rank.end(out, forward=forward) for rank in self.ranks]
         outputs: list[ModelRunnerOutput | None] = []
+        req_ids = list(out.num_scheduled_tokens)
         for kv_output in kv_outputs:
-            if not forward:
-                outputs.append(ModelRunnerOutput.with_kv_conn_output_only(kv_output))
-                continue
-            req_ids = list(out.num_scheduled_tokens)
-            outputs.append(
+            output = (
                 ModelRunnerOutput(
                     req_ids=req_ids,
                     req_id_to_index={r: i for i, r in enumerate(req_ids)},
                     sampled_token_ids=[sampled.get(r, []) for r in req_ids],
                     kv_connector_output=kv_output,
                 )
+                if forward
+                else ModelRunnerOutput.with_kv_conn_output_only(kv_output)
             )
+            # Each worker's output reaches the executor serialized (the aggregator writes the
+            # merged connector output into rank 0's, which must not be vLLM's shared empty one).
+            outputs.append(pickle.loads(pickle.dumps(output)))
         merged = self.aggregator.aggregate(outputs)
         assert merged is not None
         return merged
