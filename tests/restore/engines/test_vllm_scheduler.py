@@ -26,7 +26,7 @@ from vllm.v1.request import RequestStatus  # noqa: E402
 
 from catalog.catalog import Catalog  # noqa: E402
 from catalog.models import Shard  # noqa: E402
-from chunkstore import ChunkStore, StoreUnavailableError  # noqa: E402
+from chunkstore import ChunkStore, StoreUnavailableError, open_store  # noqa: E402
 from tests.restore.engines.test_vllm import corrupt_third_chunk, model_dir  # noqa: E402
 from tests.restore.engines.vllm_oracle import OracleEngine, request  # noqa: E402
 from tests.store_wrappers import Delegating  # noqa: E402
@@ -238,19 +238,6 @@ def test_a_corrupt_chunk_is_recomputed_and_the_request_succeeds(
     e.close()
 
 
-class Gone(Delegating):
-    """A store whose blobs, once `collect` is called, are gone (a GC between lookup and load)."""
-
-    def __init__(self, inner: ChunkStore) -> None:
-        super().__init__(inner)
-        self.collected: set[str] = set()
-
-    def get(self, key: str) -> Any:
-        if key in self.collected:
-            raise KeyError(key)
-        return self.inner.get(key)
-
-
 class Down(Delegating):
     """A store that does not answer reads."""
 
@@ -270,32 +257,30 @@ def wrap_restore_stores(e: OracleEngine, wrap: Any) -> list[Any]:
     return wrappers
 
 
-def test_a_chunk_collected_between_lookup_and_load_is_recomputed(
-    model_dir: Path, tmp_path: Path
-) -> None:
+def test_a_chunk_collected_between_lookup_and_load_is_recomputed(model_dir: Path, tmp_path: Path) -> None:
+    """The scheduler's lookup finds three chunks; before the worker reads them the second one's
+    blob is deleted from the store (a collection in between): the first loads, vLLM recomputes
+    from position 64 and the request succeeds."""
     shared = prompt(192, seed=14)
     fp = seed_store(model_dir, tmp_path, {"seed": [*shared, 1]})
     with Catalog.open(f"sqlite:///{tmp_path / 'catalog.db'}") as cat:
         second = cat.lookup("vllm", fp, [*shared, 1]).chunks[1].blob_key
+    store = open_store(f"file://{tmp_path / 'blobs'}")
     e = OracleEngine(model_dir, tmp_path)
-    (gone,) = wrap_restore_stores(e, Gone)
+
+    def collect(out: Any) -> None:
+        if out.kv_connector_metadata.loads:
+            store.delete(second)
+
+    e.on_scheduled = collect
     e.add(request("hit", [*shared, 5, 6]))
-    out = (
-        e.scheduler.schedule
-    )  # the lookup runs in schedule(); the blob goes before the worker reads it
-
-    def schedule_then_collect() -> Any:
-        scheduled = out()
-        if scheduled.kv_connector_metadata.loads:
-            gone.collected.add(second)
-        return scheduled
-
-    e.scheduler.schedule = schedule_then_collect  # type: ignore[method-assign]
     e.run()
+    assert not store.exists(second)
     assert e.loads() == [("hit", 0, 192)]
     assert e.finished == {"hit": RequestStatus.FINISHED_LENGTH_CAPPED}
     assert sum(s.scheduled.get("hit", 0) for s in e.steps) >= 194 - 64  # recomputed from 64
     e.close()
+    store.close()
 
 
 def test_a_store_that_is_down_means_recompute_and_the_request_succeeds(

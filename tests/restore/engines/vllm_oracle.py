@@ -307,6 +307,8 @@ class OracleEngine:
         self.finished: dict[str, RequestStatus] = {}
         self.checked_positions = 0
         self._requests: dict[str, Request] = {}
+        # Called with each step's scheduler output before the workers run it.
+        self.on_scheduled: Callable[[SchedulerOutput], None] = lambda out: None
 
     # ---- the engine loop --------------------------------------------------------------------
 
@@ -318,6 +320,7 @@ class OracleEngine:
         """One engine step: schedule and run a batch; take in the oldest batch's output once
         the queue is full (at once for the synchronous scheduler), then `check`."""
         out = self.scheduler.schedule()
+        self.on_scheduled(out)
         record = self._record(out)
         self.batch_queue.append((out, self._execute(out, record)))
         # Nothing new scheduled: the engine waits for every batch in flight.
