@@ -17,7 +17,8 @@ identifies it (the token ids of positions 0..p, the LoRA adapter, the multimodal
 their placeholders, the cache salt, p), and the sampled token of the function at the last
 position. A forward reads its attention inputs: when a position before the ones it computes
 does not hold exactly the oracle's KV (on any rank), what it writes is wrong too (poisoned),
-as a real forward over wrong KV would be. After every step, `check` asserts that every block
+as a real forward over wrong KV would be. A block vLLM frees (and does not keep in its prefix
+cache) is overwritten before the next forward, as another request could. After every step, `check` asserts that every block
 the scheduler counts as computed for a running request holds exactly the oracle's KV, on
 every rank; a finished request's output tokens are the oracle's.
 
@@ -307,6 +308,7 @@ class OracleEngine:
         self.finished: dict[str, RequestStatus] = {}
         self.checked_positions = 0
         self._requests: dict[str, Request] = {}
+        self._scribbled: set[int] = set()  # free blocks overwritten since they were freed
         # Called with each step's scheduler output before the workers run it.
         self.on_scheduled: Callable[[SchedulerOutput], None] = lambda out: None
 
@@ -321,6 +323,7 @@ class OracleEngine:
         the queue is full (at once for the synchronous scheduler), then `check`."""
         out = self.scheduler.schedule()
         self.on_scheduled(out)
+        self._scribble_free_blocks()
         record = self._record(out)
         self.batch_queue.append((out, self._execute(out, record)))
         # Nothing new scheduled: the engine waits for every batch in flight.
@@ -357,6 +360,19 @@ class OracleEngine:
         for rank in self.ranks:
             rank.connector.shutdown()
         self.scheduler.shutdown()
+
+    def _scribble_free_blocks(self) -> None:
+        """Overwrite every block vLLM holds free and uncached (its prefix cache keeps the content
+        of a freed block with a hash): another request may have written it by the time a
+        request that let it go comes back, so nothing may rely on what it held."""
+        for block in self.scheduler.kv_cache_manager.block_pool.blocks:
+            if block.ref_cnt or block.is_null or block.block_hash is not None:
+                self._scribbled.discard(block.block_id)
+            elif block.block_id not in self._scribbled:
+                self._scribbled.add(block.block_id)
+                for rank in self.ranks:
+                    for t in rank.caches.values():
+                        t[block.block_id].fill_(-7.0)
 
     # ---- the model runner -------------------------------------------------------------------
 
