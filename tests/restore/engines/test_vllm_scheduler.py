@@ -28,7 +28,7 @@ from catalog.catalog import Catalog  # noqa: E402
 from catalog.models import Shard  # noqa: E402
 from chunkstore import ChunkStore, StoreUnavailableError, open_store  # noqa: E402
 from tests.restore.engines.test_vllm import corrupt_third_chunk, model_dir  # noqa: E402
-from tests.restore.engines.vllm_oracle import OracleEngine, request  # noqa: E402
+from tests.restore.engines.vllm_oracle import OracleEngine  # noqa: E402
 from tests.store_wrappers import Delegating  # noqa: E402
 
 __all__ = ["model_dir"]  # the module-scoped tiny Llama of test_vllm.py
@@ -47,7 +47,7 @@ def seed_store(model_dir: Path, tmp: Path, prompts: dict[str, list[int]], **engi
     scenario's engine starts with an empty vLLM prefix cache; the model's fingerprint."""
     e = OracleEngine(model_dir, tmp, **engine)
     for req_id, tokens in prompts.items():
-        e.add(request(req_id, tokens))
+        e.add(req_id, tokens)
     e.run()
     assert not e.loads()
     e.close()
@@ -109,8 +109,9 @@ def test_a_prefix_served_cold_in_one_process_loads_warm_in_a_fresh_one(
         tmp_path,
         {"warm": [*shared, 5, 6, 7], "other": [*shared[:100], *prompt(60, seed=2)]},
     )
-    # The whole blocks of the stored prefix load, and of the 100 positions the other shares.
-    assert sorted(map(tuple, warm["loads"])) == [("other", 0, 96), ("warm", 0, 192)]
+    # The whole blocks of the stored prefix load; the other request finds the 96 positions it
+    # shares in vLLM's own prefix cache (the blocks the load wrote) and needs nothing from kvc.
+    assert warm["loads"] == [["warm", 0, 192]]
     assert warm["outputs"]["warm"] == cold["outputs"]["cold"]
     assert warm["finished"] == {"warm": "FINISHED_LENGTH_CAPPED", "other": "FINISHED_LENGTH_CAPPED"}
     assert warm["fingerprint"] == cold["fingerprint"]
@@ -123,20 +124,39 @@ def test_partial_hits_load_the_stored_whole_blocks_and_compute_the_rest(
 ) -> None:
     """Stored: 144 positions of one prompt (chunks of 64: 64, 64, 16). kvc matches token by
     token, into a chunk: a prompt diverging at 100 loads the whole blocks of its 100 shared
-    positions (96), one diverging at 140 those of 140 (128); one sharing 10 tokens misses.
-    vLLM computes the rest of each, in chunks of its token budget."""
+    positions (96); one diverging at 140 finds those 96 in vLLM's own prefix cache and loads
+    96..128 from kvc (whole blocks of 140); one sharing 10 tokens misses. vLLM computes the
+    rest of each, in chunks of its token budget."""
     base = prompt(150, seed=3)
     fp = seed_store(model_dir, tmp_path, {"seed": base[:147]})
     assert stored_tokens(tmp_path, fp, base) == 144
     e = OracleEngine(model_dir, tmp_path, async_scheduling=async_scheduling)
-    e.add(request("at100", [*base[:100], *prompt(90, seed=4)]))
-    e.add(request("at140", [*base[:140], *prompt(50, seed=5)]))
-    e.add(request("at10", [*base[:10], *prompt(120, seed=6)]))
+    e.add("at100", [*base[:100], *prompt(90, seed=4)])
+    e.add("at140", [*base[:140], *prompt(50, seed=5)])
+    e.add("at10", [*base[:10], *prompt(120, seed=6)])
     e.run()
-    assert sorted(e.loads()) == [("at100", 0, 96), ("at140", 0, 128)]
+    assert e.loads() == [("at100", 0, 96), ("at140", 96, 128)]
     assert set(e.finished.values()) == {RequestStatus.FINISHED_LENGTH_CAPPED}
     assert max(s for steps in e.steps for s in steps.scheduled.values()) <= 64  # chunked
     assert e.checked_positions > 0
+    e.close()
+
+
+def test_kvc_loads_only_what_vllms_own_prefix_cache_does_not_hold(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """vLLM's prefix cache holds the first 64 positions (a finished request's blocks); kvc
+    holds 192. The next request takes 64 from vLLM's cache and loads 64..192 from kvc, into
+    blocks after the shared ones, which the load leaves alone."""
+    shared = prompt(192, seed=21)
+    seed_store(model_dir, tmp_path, {"seed": [*shared, 1]})
+    e = OracleEngine(model_dir, tmp_path)
+    e.add("short", [*shared[:70], *prompt(10, seed=22)])
+    e.run()
+    e.add("long", [*shared, 5, 6])
+    e.run()
+    assert e.loads() == [("short", 0, 64), ("long", 64, 192)]
+    assert e.scheduler.requests == {}
     e.close()
 
 
@@ -157,7 +177,7 @@ def test_a_preempted_request_that_loaded_a_prefix_loads_it_again_when_resumed(
         model_dir, tmp_path, num_blocks=20, prefix_caching=False, async_scheduling=async_scheduling
     )
     for r, p in prefixes.items():
-        e.add(request(r, [*p, *prompt(8, seed=9)], max_tokens=20))  # 9 blocks, then 10
+        e.add(r, [*p, *prompt(8, seed=9)], max_tokens=20)  # 9 blocks, then 10
     e.run()
     preempted = e.preempted()
     assert preempted  # vLLM really preempted
@@ -182,10 +202,10 @@ def test_a_request_aborted_while_its_load_runs_releases_everything(
     shared = prompt(192, seed=10)
     fp = seed_store(model_dir, tmp_path, {"seed": [*shared, 1]})
     e = OracleEngine(model_dir, tmp_path, async_scheduling=async_scheduling)
-    e.add(request("aborted", [*shared, *prompt(100, seed=11)]))
+    e.add("aborted", [*shared, *prompt(100, seed=11)])
     e.run(until=lambda: any(load[0] == "aborted" for load in e.loads()))
     e.abort("aborted")
-    e.add(request("after", prompt(40, seed=12)))
+    e.add("after", prompt(40, seed=12))
     e.run()
     assert e.finished["aborted"] == RequestStatus.FINISHED_ABORTED
     assert e.finished["after"] == RequestStatus.FINISHED_LENGTH_CAPPED
@@ -195,7 +215,7 @@ def test_a_request_aborted_while_its_load_runs_releases_everything(
     stored = stored_tokens(tmp_path, fp, [*shared, *prompt(100, seed=11)])
     assert stored >= 192
     e2 = OracleEngine(model_dir, tmp_path)
-    e2.add(request("again", [*shared, *prompt(100, seed=11)]))
+    e2.add("again", [*shared, *prompt(100, seed=11)])
     e2.run()
     assert e2.loads() == [("again", 0, stored // 16 * 16)]
     e2.close()
@@ -229,7 +249,7 @@ def test_a_corrupt_chunk_is_recomputed_and_the_request_succeeds(
     fp = seed_store(model_dir, tmp_path, {"seed": [*shared, 1]})
     corrupt_third_chunk(tmp_path, fp, shared)
     e = OracleEngine(model_dir, tmp_path, async_scheduling=async_scheduling)
-    e.add(request("hit", [*shared, 5, 6]))
+    e.add("hit", [*shared, 5, 6])
     e.run()
     assert e.loads() == [("hit", 0, 256)]
     assert e.finished == {"hit": RequestStatus.FINISHED_LENGTH_CAPPED}
@@ -257,7 +277,9 @@ def wrap_restore_stores(e: OracleEngine, wrap: Any) -> list[Any]:
     return wrappers
 
 
-def test_a_chunk_collected_between_lookup_and_load_is_recomputed(model_dir: Path, tmp_path: Path) -> None:
+def test_a_chunk_collected_between_lookup_and_load_is_recomputed(
+    model_dir: Path, tmp_path: Path
+) -> None:
     """The scheduler's lookup finds three chunks; before the worker reads them the second one's
     blob is deleted from the store (a collection in between): the first loads, vLLM recomputes
     from position 64 and the request succeeds."""
@@ -273,7 +295,7 @@ def test_a_chunk_collected_between_lookup_and_load_is_recomputed(model_dir: Path
             store.delete(second)
 
     e.on_scheduled = collect
-    e.add(request("hit", [*shared, 5, 6]))
+    e.add("hit", [*shared, 5, 6])
     e.run()
     assert not store.exists(second)
     assert e.loads() == [("hit", 0, 192)]
@@ -290,8 +312,8 @@ def test_a_store_that_is_down_means_recompute_and_the_request_succeeds(
     seed_store(model_dir, tmp_path, {"seed": [*shared, 1]})
     e = OracleEngine(model_dir, tmp_path)
     wrap_restore_stores(e, Down)
-    e.add(request("hit", [*shared, 5, 6]))
-    e.add(request("plain", prompt(50, seed=16)))
+    e.add("hit", [*shared, 5, 6])
+    e.add("plain", prompt(50, seed=16))
     e.run()
     assert e.loads() == [("hit", 0, 128)]
     assert set(e.finished.values()) == {RequestStatus.FINISHED_LENGTH_CAPPED}
@@ -321,9 +343,9 @@ def run_keyed(e: OracleEngine, tokens: list[int], with_plain: bool) -> None:
     """The keyed requests (and a plain one) over the same tokens, to the end. A text-only model
     has no encoder for the image: vLLM computes up to its placeholder and it is aborted."""
     if with_plain:
-        e.add(request("plain", tokens))
+        e.add("plain", tokens)
     for req_id, kwargs in keyed_requests().items():
-        e.add(request(req_id, tokens, **kwargs))
+        e.add(req_id, tokens, **kwargs)
     e.run(until=lambda: set(e.scheduler.requests) <= {"image"} and not e.batch_queue)
     e.abort("image")
     e.run()
@@ -371,7 +393,7 @@ def test_tp2_with_one_ranks_shard_missing_offers_no_hit_and_saves_the_shard_agai
     checkpointer = cold.ranks[1].connector.checkpointer
     assert checkpointer is not None
     checkpointer.store = RefusingPuts(checkpointer.store)
-    cold.add(request("cold", [*tokens, 1, 2]))
+    cold.add("cold", [*tokens, 1, 2])
     cold.run()
     cold.close()
     fp = cold.connector.fingerprint.hex
@@ -379,7 +401,7 @@ def test_tp2_with_one_ranks_shard_missing_offers_no_hit_and_saves_the_shard_agai
     assert [stored_tokens(tmp_path, fp, tokens, s) for s in shards] == [128, 0]
 
     e = OracleEngine(model_dir, tmp_path, tp=2)
-    e.add(request("first", [*tokens, 3, 4]))
+    e.add("first", [*tokens, 3, 4])
     e.run()
     assert e.loads() == []  # rank 1 could not load its kv heads: no hit offered
     assert e.saves() == [("first", 128)]  # saved again for the missing shard
@@ -387,7 +409,7 @@ def test_tp2_with_one_ranks_shard_missing_offers_no_hit_and_saves_the_shard_agai
     assert [stored_tokens(tmp_path, fp, tokens, s) for s in shards] == [128, 128]
 
     warm = OracleEngine(model_dir, tmp_path, tp=2)
-    warm.add(request("warm", [*tokens, 5, 6]))
+    warm.add("warm", [*tokens, 5, 6])
     warm.run()
     assert warm.loads() == [("warm", 0, 128)]  # both ranks load: every block checks on both
     warm.close()
@@ -430,9 +452,9 @@ def test_a_slow_load_does_not_hold_back_the_other_requests_steps(
     seed_store(model_dir, tmp_path, {"seed": [*shared, 1]})
     e = OracleEngine(model_dir, tmp_path, async_scheduling=async_scheduling)
     gates = wrap_restore_stores(e, Gated)
-    e.add(request("running", prompt(30, seed=20), max_tokens=30))
+    e.add("running", prompt(30, seed=20), max_tokens=30)
     e.run(until=lambda: len(e.scheduler.requests["running"].output_token_ids) > 0)
-    e.add(request("slow", [*shared, 5, 6]))
+    e.add("slow", [*shared, 5, 6])
     steps_while_loading = 0
     while e.scheduler.has_requests() or e.batch_queue:
         record = e.step()

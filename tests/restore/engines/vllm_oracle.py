@@ -47,6 +47,8 @@ from vllm.config import CacheConfig, ParallelConfig, SchedulerConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.forward_context import get_forward_context, set_forward_context
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -131,20 +133,6 @@ def oracle_kv(hashes: list[int]) -> np.ndarray[Any, Any]:
 def oracle_token(last_hash: int) -> int:
     """The token the oracle samples after a prefix whose last position hashes to this."""
     return 3 + _mix(last_hash ^ 0x5EED) % (VOCAB - 3)
-
-
-def request(req_id: str, tokens: list[int], max_tokens: int = 4, **kwargs: Any) -> Request:
-    """A request as vLLM's engine core builds it (`lora_request`, `mm_features`, `cache_salt`
-    keyword arguments of `Request`), ending at `max_tokens` (the oracle never samples EOS)."""
-    params = SamplingParams(max_tokens=max_tokens)
-    params.update_from_generation_config({}, EOS)
-    return Request(
-        request_id=req_id,
-        prompt_token_ids=tokens,
-        sampling_params=params,
-        pooling_params=None,
-        **kwargs,
-    )
 
 
 def engine_config(
@@ -285,6 +273,10 @@ class OracleEngine:
         ]
         sched_config = self.configs[0]
         sched_config.cache_config.num_gpu_blocks = num_blocks
+        # vLLM's engine core hashes every request's blocks (a connector is configured).
+        hash_fn = get_hash_fn_by_name(sched_config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self.block_hasher = get_request_block_hasher(BLOCK, hash_fn)
         cls = AsyncScheduler if async_scheduling else Scheduler
         self.scheduler: Scheduler = cls(
             vllm_config=sched_config,
@@ -314,9 +306,23 @@ class OracleEngine:
 
     # ---- the engine loop --------------------------------------------------------------------
 
-    def add(self, req: Request) -> None:
-        self._requests[req.request_id] = req
+    def add(self, req_id: str, tokens: list[int], max_tokens: int = 4, **kwargs: Any) -> Request:
+        """A request as vLLM's engine core builds it (with its block hasher; `lora_request`,
+        `mm_features`, `cache_salt` as keyword arguments of `Request`), ending at `max_tokens`
+        (the oracle never samples EOS), added to the scheduler."""
+        params = SamplingParams(max_tokens=max_tokens)
+        params.update_from_generation_config({}, EOS)
+        req = Request(
+            request_id=req_id,
+            prompt_token_ids=tokens,
+            sampling_params=params,
+            pooling_params=None,
+            block_hasher=self.block_hasher,
+            **kwargs,
+        )
+        self._requests[req_id] = req
         self.scheduler.add_request(req)
+        return req
 
     def step(self) -> StepRecord:
         """One engine step: schedule and run a batch; take in the oldest batch's output once
@@ -572,7 +578,7 @@ def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     engine = OracleEngine(Path(spec["model_dir"]), Path(spec["dir"]), **spec.get("engine", {}))
     for r in spec["requests"]:
-        engine.add(request(r["id"], r["tokens"], max_tokens=r.get("max_tokens", 4)))
+        engine.add(r["id"], r["tokens"], max_tokens=r.get("max_tokens", 4))
     engine.run()
     engine.close()
     print(json.dumps(engine.report()))
