@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -38,8 +39,8 @@ SCHEDULING = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sy
 
 
 def prompt(n: int, seed: int) -> list[int]:
-    """`n` token ids, distinct per seed."""
-    return [10 + (seed * 131 + i * 7) % 480 for i in range(n)]
+    """`n` random token ids of the tiny model's vocabulary (fixed per seed)."""
+    return [int(t) for t in np.random.default_rng(seed).integers(10, 490, n)]
 
 
 def seed_store(model_dir: Path, tmp: Path, prompts: dict[str, list[int]], **engine: Any) -> str:
