@@ -110,9 +110,10 @@ def test_a_prefix_served_cold_in_one_process_loads_warm_in_a_fresh_one(
         tmp_path,
         {"warm": [*shared, 5, 6, 7], "other": [*shared[:100], *prompt(60, seed=2)]},
     )
-    # The whole blocks of the stored prefix load; the other request finds the 96 positions it
-    # shares in vLLM's own prefix cache (the blocks the load wrote) and needs nothing from kvc.
-    assert warm["loads"] == [["warm", 0, 192]]
+    # The whole blocks of the stored prefix load. The two arrive together, and a block being
+    # loaded asynchronously enters vLLM's prefix cache only once its load has finished, so the
+    # other request loads the 96 positions it shares too, into its own blocks.
+    assert warm["loads"] == [["warm", 0, 192], ["other", 0, 96]]
     assert warm["outputs"]["warm"] == cold["outputs"]["cold"]
     assert warm["finished"] == {"warm": "FINISHED_LENGTH_CAPPED", "other": "FINISHED_LENGTH_CAPPED"}
     assert warm["fingerprint"] == cold["fingerprint"]
@@ -125,14 +126,15 @@ def test_partial_hits_load_the_stored_whole_blocks_and_compute_the_rest(
 ) -> None:
     """Stored: 144 positions of one prompt (chunks of 64: 64, 64, 16). kvc matches token by
     token, into a chunk: a prompt diverging at 100 loads the whole blocks of its 100 shared
-    positions (96); one diverging at 140 finds those 96 in vLLM's own prefix cache and loads
-    96..128 from kvc (whole blocks of 140); one sharing 10 tokens misses. vLLM computes the
-    rest of each, in chunks of its token budget."""
+    positions (96); one diverging at 140, sent once the first has finished, finds those 96 in
+    vLLM's own prefix cache and loads 96..128 from kvc (whole blocks of 140); one sharing 10
+    tokens misses. vLLM computes the rest of each, in chunks of its token budget."""
     base = prompt(150, seed=3)
     fp = seed_store(model_dir, tmp_path, {"seed": base[:147]})
     assert stored_tokens(tmp_path, fp, base) == 144
     e = OracleEngine(model_dir, tmp_path, async_scheduling=async_scheduling)
     e.add("at100", [*base[:100], *prompt(90, seed=4)])
+    e.run()
     e.add("at140", [*base[:140], *prompt(50, seed=5)])
     e.add("at10", [*base[:10], *prompt(120, seed=6)])
     e.run()
@@ -225,19 +227,9 @@ def test_a_request_aborted_while_its_load_runs_releases_everything(
 # ---- loads that fail --------------------------------------------------------------------------
 
 
-SYNC_LOAD_FAILURE_UNDER_ASYNC_SCHEDULING = pytest.mark.xfail(
-    strict=True,
-    reason="the connector loads synchronously (load_async comes with h1-vllm-async): under "
-    "async scheduling vLLM 0.33 has already scheduled and run the next step over the blocks "
-    "that failed to load, accepts the token it sampled and keeps that step's output "
-    "placeholder, so the request's next positions are computed from the wrong tokens (the "
-    "oracle sees position 259 hold the KV of another token than the scheduler's)",
-)
-
-
 @pytest.mark.parametrize(
     "async_scheduling",
-    [False, pytest.param(True, marks=SYNC_LOAD_FAILURE_UNDER_ASYNC_SCHEDULING)],
+    [False, True],
     ids=["sync", "async"],
 )
 def test_a_corrupt_chunk_is_recomputed_and_the_request_succeeds(
@@ -437,12 +429,6 @@ class Gated(Delegating):
         return self.inner.get(key)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the connector loads synchronously in start_load_kv (load_async comes with "
-    "h1-vllm-async): the step carrying the load waits for the store, and no other request "
-    "makes a step meanwhile",
-)
 @SCHEDULING
 def test_a_slow_load_does_not_hold_back_the_other_requests_steps(
     model_dir: Path, tmp_path: Path, async_scheduling: bool
