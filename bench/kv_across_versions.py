@@ -58,7 +58,11 @@ SHAPE = {
 FAMILIES = (
     ("llama", "llama", {"num_attention_heads": 8, "num_key_value_heads": 8}),
     ("qwen2", "qwen2", {"num_attention_heads": 8, "num_key_value_heads": 2}),
-    ("mistral", "mistral", {"num_attention_heads": 8, "num_key_value_heads": 2, "sliding_window": None}),
+    (
+        "mistral",
+        "mistral",
+        {"num_attention_heads": 8, "num_key_value_heads": 2, "sliding_window": None},
+    ),
 )
 DTYPES = ("float32", "bfloat16")
 
@@ -94,6 +98,14 @@ def effective_rope_theta(config: Any) -> float | None:
     return None if theta is None else float(theta)
 
 
+def quiet_loading() -> None:
+    """No progress bar per loaded checkpoint (there are dozens)."""
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
 def worker(models_dir: Path, out: Path, threads: int) -> None:
     import blake3
     import torch
@@ -101,6 +113,7 @@ def worker(models_dir: Path, out: Path, threads: int) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
+    quiet_loading()
     torch.set_num_threads(threads)
     dtype_kwarg = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     results: dict[str, Any] = {}
@@ -152,6 +165,7 @@ def build_models(directory: Path) -> None:
 
     from restore.engines.hf import load_model, save_random_model
 
+    quiet_loading()
     for name, model_type, fields in FAMILIES:
         float32 = save_random_model(
             directory / f"{name}-float32", model_type, seed=SEED, **SHAPE, **fields
@@ -183,7 +197,11 @@ def run_env(python: str, models: Path, out: Path, threads: int) -> dict[str, Any
 
 
 def compare(
-    base: dict[str, Any], base_path: Path, other: dict[str, Any], other_path: Path, keys: list[tuple[str, str]]
+    base: dict[str, Any],
+    base_path: Path,
+    other: dict[str, Any],
+    other_path: Path,
+    keys: list[tuple[str, str]],
 ) -> dict[str, Any]:
     """For each (key in base, key in other): are all layers bit-identical, and the largest
     absolute difference over the layers that are not."""
@@ -198,7 +216,9 @@ def compare(
         for key_a, key_b in keys:
             ra, rb = base["results"][key_a], other["results"][key_b]
             if ra["rope_theta"] != rb["rope_theta"]:
-                config_mismatch.append(f"{key_b}: rope_theta {rb['rope_theta']} vs {ra['rope_theta']}")
+                config_mismatch.append(
+                    f"{key_b}: rope_theta {rb['rope_theta']} vs {ra['rope_theta']}"
+                )
             same = [x == y for x, y in zip(ra["layers"], rb["layers"], strict=True)]
             layers_same += sum(same)
             layers_all += len(same)
@@ -233,7 +253,9 @@ def cell(c: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--env", action="append", default=[], metavar="NAME=PYTHON[,threads=N]")
     ap.add_argument("--threads", type=int, default=2, help="intra-op threads in each environment")
     ap.add_argument("--json", action="store_true")
@@ -244,7 +266,9 @@ def main() -> None:
         return
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    envs = [parse_env(s, args.threads) for s in args.env] or [("this", sys.executable, args.threads)]
+    envs = [parse_env(s, args.threads) for s in args.env] or [
+        ("this", sys.executable, args.threads)
+    ]
     with tempfile.TemporaryDirectory(prefix="kvc-kv-versions-") as tmp:
         root = Path(tmp)
         models = root / "models"
@@ -262,19 +286,68 @@ def main() -> None:
 
         rows = []
         for name, path, data in runs[1:]:
-            rows.append((name, data, {m: compare(base, base_path, data, path, keys("sdpa", "sdpa", m)) for m in model_names()}))
-        rows.append((f"control: {base_name} again", again, {m: compare(base, base_path, again, again_path, keys("sdpa", "sdpa", m)) for m in model_names()}))
-        rows.append((f"control: {base_name} eager", base, {m: compare(base, base_path, base, base_path, keys("sdpa", "eager", m)) for m in model_names()}))
+            rows.append(
+                (
+                    name,
+                    data,
+                    {
+                        m: compare(base, base_path, data, path, keys("sdpa", "sdpa", m))
+                        for m in model_names()
+                    },
+                )
+            )
+        rows.append(
+            (
+                f"control: {base_name} again",
+                again,
+                {
+                    m: compare(base, base_path, again, again_path, keys("sdpa", "sdpa", m))
+                    for m in model_names()
+                },
+            )
+        )
+        rows.append(
+            (
+                f"control: {base_name} eager",
+                base,
+                {
+                    m: compare(base, base_path, base, base_path, keys("sdpa", "eager", m))
+                    for m in model_names()
+                },
+            )
+        )
 
     if args.json:
-        print(json.dumps({"baseline": base_name, "envs": [(n, d["torch"], d["transformers"], d["threads"]) for n, _, d in runs],
-                          "rows": [{"env": n, "torch": d["torch"], "transformers": d["transformers"], "threads": d["threads"], "models": c} for n, d, c in rows]}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "baseline": base_name,
+                    "envs": [(n, d["torch"], d["transformers"], d["threads"]) for n, _, d in runs],
+                    "rows": [
+                        {
+                            "env": n,
+                            "torch": d["torch"],
+                            "transformers": d["transformers"],
+                            "threads": d["threads"],
+                            "models": c,
+                        }
+                        for n, d, c in rows
+                    ],
+                },
+                indent=1,
+            )
+        )
         return
-    print(f"baseline: {base_name} (torch {base['torch']}, transformers {base['transformers']}, "
-          f"{base['threads']} threads, cpu {base['cpu']}); sdpa KV of {len(PROMPTS)} prompts "
-          f"({', '.join(map(str, PROMPTS))} tokens) per model, compared bit for bit")
+    print(
+        f"baseline: {base_name} (torch {base['torch']}, transformers {base['transformers']}, "
+        f"{base['threads']} threads, cpu {base['cpu']}); sdpa KV of {len(PROMPTS)} prompts "
+        f"({', '.join(map(str, PROMPTS))} tokens) per model, compared bit for bit"
+    )
     header = ["environment", "torch", "transformers", "threads", *model_names()]
-    table = [header] + [[n, d["torch"], d["transformers"], str(d["threads"]), *(cell(c[m]) for m in model_names())] for n, d, c in rows]
+    table = [header] + [
+        [n, d["torch"], d["transformers"], str(d["threads"]), *(cell(c[m]) for m in model_names())]
+        for n, d, c in rows
+    ]
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
     for r in table:
         print(" | ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)))
