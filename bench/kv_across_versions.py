@@ -88,14 +88,14 @@ def cache_layers(cache: Any) -> list[tuple[Any, Any]]:
     return [(k, v) for k, v in cache]
 
 
-def effective_rope_theta(config: Any) -> float | None:
-    """The rope base the model really uses (5.x keeps it in `rope_parameters`): a version that
-    read the saved config differently would show here, not as a numeric difference."""
-    params = getattr(config, "rope_parameters", None)
-    if isinstance(params, dict) and "rope_theta" in params:
-        return float(params["rope_theta"])
-    theta = getattr(config, "rope_theta", None)
-    return None if theta is None else float(theta)
+def rope_frequencies(model: Any) -> list[float]:
+    """The rotary frequencies the loaded model really uses (its `rotary_emb.inv_freq`): a
+    version that read the saved config differently (4.x does not read the `rope_parameters`
+    5.x writes) shows here, not as a numeric difference."""
+    for name, module in model.named_modules():
+        if name.endswith("rotary_emb") and hasattr(module, "inv_freq"):
+            return [float(f) for f in module.inv_freq]
+    raise SystemExit(f"{type(model).__name__} has no rotary_emb.inv_freq to check")
 
 
 def quiet_loading() -> None:
@@ -140,7 +140,7 @@ def worker(models_dir: Path, out: Path, threads: int) -> None:
                 results[key] = {
                     "layers": layers,
                     "dtype": str(model.dtype).removeprefix("torch."),
-                    "rope_theta": effective_rope_theta(model.config),
+                    "rope": rope_frequencies(model),
                 }
     save_file(tensors, str(out.with_suffix(".safetensors")))
     out.write_text(
@@ -215,9 +215,9 @@ def compare(
     ):
         for key_a, key_b in keys:
             ra, rb = base["results"][key_a], other["results"][key_b]
-            if ra["rope_theta"] != rb["rope_theta"]:
+            if ra["rope"] != rb["rope"]:
                 config_mismatch.append(
-                    f"{key_b}: rope_theta {rb['rope_theta']} vs {ra['rope_theta']}"
+                    f"{key_b}: other rotary frequencies (config read differently)"
                 )
             same = [x == y for x, y in zip(ra["layers"], rb["layers"], strict=True)]
             layers_same += sum(same)
