@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import transformers
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
 from catalog.base import CatalogAPI
@@ -361,6 +362,25 @@ def test_models_that_differ_in_weights_attention_or_dtype_share_nothing(
         other_weights, weights_id="rev-1"
     )
     assert model_fingerprint(base, weights_id="rev-1") != model_fingerprint(base)
+
+
+def next_patch_release(version: str) -> str:
+    major, minor, patch = version.split("+")[0].split(".")[:3]
+    return f"{major}.{minor}.{int(patch) + 1}"
+
+
+@pytest.mark.parametrize("library", [torch, transformers], ids=lambda m: m.__name__)
+def test_a_patch_release_of_torch_or_transformers_is_another_fingerprint(
+    model_dirs: dict[str, str], library: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The strict version policy (docs/engines.md, "Versions in the fingerprint"): KV measured
+    # bit-identical across versions on a CPU says nothing of GPU kernels.
+    model = load(model_dirs["llama"], "float32")
+    before = model_fingerprint(model)
+    monkeypatch.setattr(library, "__version__", next_patch_release(str(library.__version__)))
+    after = model_fingerprint(model)
+    assert after != before
+    assert f"{library.__name__}={library.__version__}" in after.descriptor["execution_variant"]
 
 
 def test_a_shard_worker_publishes_and_restores_only_its_layers(
