@@ -109,6 +109,7 @@ class SGLangRank:
         group: Any,
         dtype: torch.dtype = torch.bfloat16,
         device_tokens: int = 512,
+        storage_metrics: bool = False,
     ) -> None:
         self.device_pool = MHATokenToKVPool(
             size=device_tokens,
@@ -146,13 +147,15 @@ class SGLangRank:
             group,
             load_cache_event=None,  # type: ignore[arg-type]
             transfer_layer_id_max=LAYERS,
+            enable_storage_metrics=storage_metrics,
         )
+        self.entries = group_of_pools.entries
         self.controller.attach_storage_backend(
             storage_backend="dynamic",
             prefetch_threshold=threshold,
             model_name="test/tiny-model",
             storage_backend_extra_config=extra,
-            host_pools=group_of_pools.entries,
+            host_pools=self.entries,
         )
 
     @property
@@ -177,11 +180,15 @@ class SGLangRank:
         return indices
 
     def page_bytes(self, indices: torch.Tensor) -> list[bytes]:
-        """The host pool's bytes of each page at `indices` (SGLang's own page accessor)."""
-        return [
-            self.host.get_data_page(first).view(torch.uint8).numpy().tobytes()
-            for first in indices[::PAGE].tolist()
-        ]
+        """The KV of each page at `indices` (SGLang's own page accessor), as bytes in one order
+        whatever the host layout: [K/V, layer, position, head, dim]."""
+        out = []
+        for first in indices[::PAGE].tolist():
+            page = self.host.get_data_page(first, flat=False)
+            if self.host.layout == "page_first":  # [2, P, L, H, D]
+                page = page.permute(0, 2, 1, 3, 4)
+            out.append(page.contiguous().view(torch.uint8).numpy().tobytes())
+        return out
 
     # -- what UnifiedRadixCache does around the controller ----------------------------
 
@@ -269,7 +276,9 @@ def _get(q: queue.Queue[Any], what: str) -> Any:
         try:
             return q.get(timeout=max(0.0, deadline - time.monotonic()))
         except queue.Empty:
-            raise AssertionError(f"SGLang's controller sent no {what} in {DEADLINE:.0f} s") from None
+            raise AssertionError(
+                f"SGLang's controller sent no {what} in {DEADLINE:.0f} s"
+            ) from None
 
 
 def config_arg(extra: dict[str, Any]) -> str:
