@@ -49,7 +49,10 @@ Supported: MHA host pools (`MHATokenToKVPoolHost`) in the `layer_first` and
 `page_first` layouts, float16/bfloat16/float32 KV, tensor parallelism (a rank's
 kv heads are its shard). Refused by name (`UnsupportedModelError`): MLA (K-only
 latent cache), other layouts, quantized KV, pipeline, context and decode-context
-parallelism, heterogeneous-TP head splitting, page sizes below 8.
+parallelism, heterogeneous-TP head splitting, page sizes below 8, and hybrid
+models: any host pool SGLang registers besides the KV pool (Mamba, SWA, indexer,
+draft) and the v2 calls that serve them. `get_stats` reports SGLang's storage
+metrics (`StorageMetrics`: pages and GB/s per call) when SGLang enables them.
 """
 
 from __future__ import annotations
@@ -385,7 +388,7 @@ class KvcHiCacheStorage(HiCacheStorage):
         raise self._refuse_v2("batch_set_v2", transfers)
 
     def get_stats(self) -> StorageMetrics | None:
-        """SGLang's storage metrics hook (`--enable-cache-report`'s storage metrics): pages
+        """SGLang's storage metrics hook (asked with `--enable-metrics`): pages
         and GB/s of each prefetch and backup call since the last call, then reset."""
         if not self._metrics_on:
             return None

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
-from sglang.srt.mem_cache.hicache_storage import PoolName
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
 from sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller import (
     HybridCacheController,
     PrefetchOperation,
@@ -46,6 +46,7 @@ from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.pool_host import HostPoolGroup
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.radix_cache import RadixKey
+from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_storage_hash_str
 from sglang.srt.runtime_context import get_parallel
 
@@ -98,6 +99,84 @@ class Prefetched:
     host_indices: torch.Tensor
 
 
+def host_pool(
+    layout: str,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    page_size: int = PAGE,
+    device_tokens: int = 512,
+) -> tuple[MHATokenToKVPool, MHATokenToKVPoolHost]:
+    """SGLang's device KV pool on CPU and its real host pool in `layout`, built as
+    `build_kv_host_pool` builds them (`hicache_ratio` 2: twice the device tokens)."""
+    device_pool = MHATokenToKVPool(
+        size=device_tokens,
+        page_size=page_size,
+        dtype=dtype,
+        head_num=HEADS,
+        head_dim=DIM,
+        layer_num=LAYERS,
+        device="cpu",
+        enable_memory_saver=False,
+    )
+    host_cls, info, kwargs = _mha_host_inputs(device_pool)
+    host = host_cls(info, 2.0, 0, page_size, layout, pin_memory=False, **kwargs)
+    return device_pool, host
+
+
+def fill(host: MHATokenToKVPoolHost, tokens: int, seed: int) -> torch.Tensor:
+    """Host slots for `tokens` tokens (SGLang's own allocator), holding random finite KV
+    as after a device->host copy."""
+    indices = host.alloc(tokens)
+    assert indices is not None, "host pool full"
+    g = torch.Generator().manual_seed(seed)
+    for first in indices[:: host.page_size].tolist():
+        page = host.get_data_page(first, flat=False)
+        page.copy_(torch.randn(page.shape, generator=g).to(page.dtype))
+    return indices
+
+
+def page_bytes(host: MHATokenToKVPoolHost, indices: torch.Tensor) -> list[bytes]:
+    """The KV of each page at `indices` (SGLang's own page accessor), as bytes in one order
+    whatever the host layout: [K/V, layer, position, head, dim]."""
+    out = []
+    for first in indices[:: host.page_size].tolist():
+        page = host.get_data_page(first, flat=False)
+        if host.layout == "page_first":  # [2, P, L, H, D]
+            page = page.permute(0, 2, 1, 3, 4)
+        out.append(page.contiguous().view(torch.uint8).numpy().tobytes())
+    return out
+
+
+def open_backend(
+    kvc: dict[str, Any], host: MHATokenToKVPoolHost, **config: Any
+) -> KvcHiCacheStorage:
+    """kvc's backend alone, as SGLang's dynamic factory builds it for `host` from the extra
+    config `kvc_extra_config(kvc)` (parsed by SGLang), with the config fields
+    `_generate_storage_config` fills (one rank unless `config` says otherwise), and the
+    host pool registered."""
+    extra, *_ = HybridCacheController.parse_storage_backend_extra_config(
+        config_arg(kvc_extra_config(kvc))
+    )
+    fields: dict[str, Any] = {
+        "tp_rank": 0,
+        "tp_size": 1,
+        "pp_rank": 0,
+        "pp_size": 1,
+        "attn_cp_rank": 0,
+        "attn_cp_size": 1,
+        "is_mla_model": False,
+        "enable_storage_metrics": False,
+        "is_page_first_layout": host.layout == "page_first",
+        "model_name": "test/tiny-model",
+        "extra_config": extra,
+        **config,
+    }
+    backend = StorageBackendFactory.create_backend("dynamic", HiCacheStorageConfig(**fields), host)
+    assert isinstance(backend, KvcHiCacheStorage)
+    backend.register_mem_pool_host(host)
+    return backend
+
+
 class SGLangRank:
     """SGLang's pools and cache controller for one rank, with kvc attached as storage."""
 
@@ -111,20 +190,7 @@ class SGLangRank:
         device_tokens: int = 512,
         storage_metrics: bool = False,
     ) -> None:
-        self.device_pool = MHATokenToKVPool(
-            size=device_tokens,
-            page_size=PAGE,
-            dtype=dtype,
-            head_num=HEADS,
-            head_dim=DIM,
-            layer_num=LAYERS,
-            device="cpu",
-            enable_memory_saver=False,
-        )
-        host_cls, info, kwargs = _mha_host_inputs(self.device_pool)
-        self.host: MHATokenToKVPoolHost = host_cls(
-            info, 2.0, 0, PAGE, layout, pin_memory=False, **kwargs
-        )
+        self.device_pool, self.host = host_pool(layout, dtype=dtype, device_tokens=device_tokens)
         group_of_pools = HostPoolGroup(
             [
                 build_pool_entry(
@@ -167,28 +233,11 @@ class SGLangRank:
     def close(self) -> None:
         self.controller.detach_storage_backend()
 
-    # -- host pages ------------------------------------------------------------
-
     def fill(self, tokens: int, seed: int) -> torch.Tensor:
-        """Host slots for `tokens` tokens, holding random finite KV (as after a device->host copy)."""
-        indices = self.host.alloc(tokens)
-        assert indices is not None, "host pool full"
-        g = torch.Generator().manual_seed(seed)
-        for first in indices[::PAGE].tolist():
-            page = self.host.get_data_page(first, flat=False)
-            page.copy_(torch.randn(page.shape, generator=g).to(page.dtype))
-        return indices
+        return fill(self.host, tokens, seed)
 
     def page_bytes(self, indices: torch.Tensor) -> list[bytes]:
-        """The KV of each page at `indices` (SGLang's own page accessor), as bytes in one order
-        whatever the host layout: [K/V, layer, position, head, dim]."""
-        out = []
-        for first in indices[::PAGE].tolist():
-            page = self.host.get_data_page(first, flat=False)
-            if self.host.layout == "page_first":  # [2, P, L, H, D]
-                page = page.permute(0, 2, 1, 3, 4)
-            out.append(page.contiguous().view(torch.uint8).numpy().tobytes())
-        return out
+        return page_bytes(self.host, indices)
 
     # -- what UnifiedRadixCache does around the controller ----------------------------
 
