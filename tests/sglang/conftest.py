@@ -3,20 +3,13 @@
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from catalog import Catalog
-
-# SGLang's import chain (its quantization layers, flashinfer, cutlass) warns on a machine
-# without a GPU (deprecations, "Only CUDA ... support"): not kvc's to fix, so those imports
-# alone run with warnings off; the tests themselves run with warnings as errors.
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    from tests.sglang.harness import kvc_extra_config, single_rank_group
+from tests.sglang.harness import kvc_extra_config, single_rank_group
 
 NS = "sglang-test"
 

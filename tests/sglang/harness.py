@@ -44,6 +44,7 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
 )
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 from sglang.srt.mem_cache.pool_host import HostPoolGroup
+from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.storage import StorageBackendFactory
@@ -54,6 +55,7 @@ from restore.engines.sglang import KvcHiCacheStorage
 
 PAGE = 8
 LAYERS, HEADS, DIM = 2, 2, 8
+HOST_BUDGET = 1 << 30  # bytes of host memory a test rank may claim
 DEADLINE = 60.0  # seconds to wait for a controller thread's answer
 _rids = itertools.count()
 
@@ -119,7 +121,11 @@ def host_pool(
         enable_memory_saver=False,
     )
     host_cls, info, kwargs = _mha_host_inputs(device_pool)
-    host = host_cls(info, 2.0, 0, page_size, layout, pin_memory=False, **kwargs)
+    # SGLang checks a pool against the machine's free memory less a 10 GiB reserve, which a
+    # shared test machine may not have; these pools take kilobytes, booked against a fixed
+    # allowance the way SGLang books a rank's pools against one snapshot.
+    with host_memory_budget_scope(HOST_BUDGET):
+        host = host_cls(info, 2.0, 0, page_size, layout, pin_memory=False, **kwargs)
     return device_pool, host
 
 
