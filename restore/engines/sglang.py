@@ -49,13 +49,18 @@ Supported: MHA host pools (`MHATokenToKVPoolHost`) in the `layer_first` and
 `page_first` layouts, float16/bfloat16/float32 KV, tensor parallelism (a rank's
 kv heads are its shard). Refused by name (`UnsupportedModelError`): MLA (K-only
 latent cache), other layouts, quantized KV, pipeline, context and decode-context
-parallelism, heterogeneous-TP head splitting, page sizes below 8.
+parallelism, heterogeneous-TP head splitting, page sizes below 8, and hybrid
+models: any host pool SGLang registers besides the KV pool (Mamba, SWA, indexer,
+draft) and the v2 calls that serve them. `get_stats` reports SGLang's storage
+metrics (`StorageMetrics`: pages and GB/s per call) when SGLang enables them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,7 +71,11 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
 )
+from sglang.srt.observability.metrics_collector import StorageMetrics
 
 from catalog import AttentionLayout, Fingerprint
 from catalog.connect import connect
@@ -259,6 +268,9 @@ class KvcHiCacheStorage(HiCacheStorage):
         self.session: Session | None = None  # opened when SGLang registers its host pool
         self._checkpointer: Checkpointer | None = None
         self._restorer: Restorer | None = None
+        self._metrics_on = bool(cfg.enable_storage_metrics)
+        self._metrics = StorageMetrics()
+        self._metrics_lock = threading.Lock()
 
     # -- setup -----------------------------------------------------------------
 
@@ -326,6 +338,72 @@ class KvcHiCacheStorage(HiCacheStorage):
             shard,
         )
 
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """SGLang registers every host pool of its group here: the KV pool is the one
+        `register_mem_pool_host` took; any other (a hybrid model's Mamba or SWA state,
+        an indexer, a draft pool) is refused by name, so such a server does not start
+        with kvc instead of storing half of what a request needs."""
+        name = str(host_pool_name)
+        if name != PoolName.KV.value:
+            raise UnsupportedModelError(
+                f"SGLang host pool {name!r} ({type(host_pool).__name__}): kvc's SGLang backend "
+                "stores the KV pool of full-attention MHA models only, not the extra pools of "
+                "hybrid (Mamba, SWA), sparse-indexer or draft models"
+            )
+        if host_pool is not getattr(self, "mem_pool_host", None):
+            raise UnsupportedModelError(
+                "SGLang registered a KV host pool other than the one it gave "
+                "register_mem_pool_host: kvc stores one KV pool per rank"
+            )
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+
+    def _refuse_v2(self, call: str, transfers: list[PoolTransfer] | None) -> UnsupportedModelError:
+        pools = sorted({str(t.name) for t in transfers or []}) or ["none"]
+        return UnsupportedModelError(
+            f"SGLang called {call} (pools: {', '.join(pools)}): kvc's SGLang backend serves "
+            "the v1 interface for the KV pool only; hybrid Mamba/SWA and other multi-pool "
+            "models are not supported"
+        )
+
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        raise self._refuse_v2("batch_exists_v2", pool_transfers)
+
+    def batch_get_v2(
+        self,
+        transfers: list[PoolTransfer],
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> dict[str, list[bool]]:
+        raise self._refuse_v2("batch_get_v2", transfers)
+
+    def batch_set_v2(
+        self,
+        transfers: list[PoolTransfer],
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> dict[str, list[bool]]:
+        raise self._refuse_v2("batch_set_v2", transfers)
+
+    def get_stats(self) -> StorageMetrics | None:
+        """SGLang's storage metrics hook (asked with `--enable-metrics`): pages
+        and GB/s of each prefetch and backup call since the last call, then reset."""
+        if not self._metrics_on:
+            return None
+        with self._metrics_lock:
+            out, self._metrics = self._metrics, StorageMetrics()
+        return out
+
+    def _observe(self, kind: str, pages: int, seconds: float) -> None:
+        if not self._metrics_on or pages == 0:
+            return
+        gb = pages * self.page_size * self.layout.bytes_per_token / 1e9
+        with self._metrics_lock:
+            getattr(self._metrics, f"{kind}_pgs").append(pages)
+            getattr(self._metrics, f"{kind}_bandwidth").append(gb / max(seconds, 1e-9))
+
     # -- the v1 interface SGLang calls (interface_v1, hicache_storage_pass_prefix_keys) ----
 
     def batch_exists(
@@ -344,9 +422,12 @@ class KvcHiCacheStorage(HiCacheStorage):
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Load the leading verified pages of `keys` into the host pool at `host_indices`."""
-        return self._load(
+        started = time.perf_counter()
+        loaded = self._load(
             keys, extra_info, self._host_buffer(), self._page_starts(keys, host_indices)
         )
+        self._observe("prefetch", sum(loaded), time.perf_counter() - started)
+        return loaded
 
     def batch_set_v1(
         self,
@@ -355,8 +436,11 @@ class KvcHiCacheStorage(HiCacheStorage):
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
         """Store the pages of `keys` from the host pool; all of them, or (on any failure) none."""
+        started = time.perf_counter()
         starts = self._page_starts(keys, host_indices)
-        return [self._store(keys, extra_info, self._host_buffer(), starts)] * len(keys)
+        stored = self._store(keys, extra_info, self._host_buffer(), starts)
+        self._observe("backup", len(keys) if stored else 0, time.perf_counter() - started)
+        return [stored] * len(keys)
 
     # -- the single-page interface (keys whose place this backend has learned) --
 

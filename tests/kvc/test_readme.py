@@ -42,10 +42,14 @@ def test_a_readme_python_block_runs_in_a_fresh_directory(code: str, tmp_path: Pa
 
 
 def test_ci_runs_the_readme_test_command() -> None:
-    commands = re.findall(r"```sh\n(python3 -m venv .*?)\n```", README.read_text())
+    section = README.read_text().split("## Two commands", 1)[1].split("\n## ", 1)[0]
+    commands = re.findall(r"```sh\n(.*?)\n```", section)
     assert len(commands) == 2  # the demo, the test suite
     # The first thing a reader runs, exactly (pip installs, then the demo).
-    assert commands[0] == "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/kvc demo"
+    assert (
+        commands[0] == "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/kvc demo"
+    )
+    assert commands[1] == "./scripts/test"
     ci = (README.parent / ".ci" / "run").read_text()
     assert commands[1] in ci
 

@@ -6,8 +6,9 @@ Each `Engine` below builds the seam's objects the way its adapter does (`PoolDes
 `DynamicCache`; `BlockTable` over `layer_views` of vLLM's `[blocks, kv heads, block size,
 2 * head size]` tensors; `_HostPages` over an MHA host pool's `kv_buffer` in both of SGLang's
 layouts) and reads what the engine would see through the engine's own objects, never through the
-seam under test. SGLang's host pool is `tests/restore/engines/sglang_worker.HostPool` (the real class cannot be
-imported without torchvision; see there); nothing else is a stand-in.
+seam under test. SGLang's host pool is its real `MHATokenToKVPoolHost` (tests/sglang/harness.py):
+the SGLang cases run in SGLang's own environment (`./scripts/test` runs this file there with
+`-k sglang`); nothing is a stand-in.
 """
 
 from __future__ import annotations
@@ -311,17 +312,12 @@ class SGLangEngine(Engine):
 
     def __init__(self, dtype: str) -> None:
         super().__init__(dtype)
-        from tests.restore.engines.sglang_worker import HostPool
+        from tests.sglang.harness import host_pool
 
-        self.host = HostPool(
-            self.host_layout,
-            dtype=torch_dtype(dtype),
-            layers=LAYERS,
-            heads=HEADS,
-            head_dim=DIM,
-            page_size=self.PAGE,
-            pages=12,
+        _, self.host = host_pool(
+            self.host_layout, dtype=torch_dtype(dtype), page_size=self.PAGE, device_tokens=48
         )
+        assert (self.host.layer_num, self.host.head_num, self.host.head_dim) == (LAYERS, HEADS, DIM)
         g = torch.Generator().manual_seed(3)
         self.host.kv_buffer.copy_(torch.randn(self.host.kv_buffer.shape, generator=g))
 
