@@ -245,8 +245,6 @@ class Replica(Base):
         CheckConstraint("tier IN ('resident', 'local', 'object')", name="tier_known"),
         # A store's replicas in a state (GC refuses to run while any is `missing`).
         Index("ix_replicas_location_state", "location", "state"),
-        # A namespace's replicas by state (`kvc stats`) without reading every tenant's.
-        Index("ix_replicas_namespace_state", "namespace_id", "state"),
         # Only the replicas an interrupted GC left `deleting` (usually none), as above.
         Index(
             "ix_replicas_deleting",

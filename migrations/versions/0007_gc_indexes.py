@@ -1,15 +1,16 @@
-"""replicas and chunks: indexes for a namespace's replica counts and for GC's resume and checks
+"""replicas and chunks: indexes for GC's resume and its check of missing replicas
 
 Revision ID: 0007
 Revises: 0006
 Create Date: 2026-12-06 22:00:00.000000
 
-At ten million chunks (issue 29) four queries read a whole table: a namespace's replica
-counts (`kvc stats`), the chunks an interrupted GC left `purging` and the replicas it left
-`deleting` (every GC run looks for them first), and the replicas in `missing` state at a
-store (every GC run counts them). Replicas get an index by (namespace, state), the location
-index gains the state, and two partial indexes hold only the rows an interrupted GC left
-(usually none).
+At ten million chunks (issue 29) three queries every GC run makes read a whole table: the
+chunks an interrupted GC left `purging`, the replicas it left `deleting`, and the replicas
+in `missing` state at a store. The location index gains the state, and two partial indexes
+hold only the rows an interrupted GC left (usually none).
+
+No index on replicas (namespace_id, state): SQLite, without statistics, chose it over the
+primary key for the lookup's replica query, reading a namespace's every replica per chunk.
 """
 
 from collections.abc import Sequence
@@ -26,9 +27,6 @@ depends_on: str | Sequence[str] | None = None
 
 def upgrade() -> None:
     """Upgrade schema."""
-    op.create_index(
-        "ix_replicas_namespace_state", "replicas", ["namespace_id", "state"], unique=False
-    )
     op.create_index("ix_replicas_location_state", "replicas", ["location", "state"], unique=False)
     op.drop_index("ix_replicas_location", table_name="replicas")
     op.create_index(
@@ -55,4 +53,3 @@ def downgrade() -> None:
     op.drop_index("ix_chunks_purging", table_name="chunks")
     op.create_index("ix_replicas_location", "replicas", ["location"], unique=False)
     op.drop_index("ix_replicas_location_state", table_name="replicas")
-    op.drop_index("ix_replicas_namespace_state", table_name="replicas")
