@@ -4,7 +4,10 @@ Usage (repository root, project venv with the `test` extra, which brings the
 embedded PostgreSQL):
 
     python bench/bench_catalog.py [--sizes 10000,100000,1000000] [--backends sqlite,postgres]
-                                  [--reps 30] [--cache DIR] [--no-cache]
+                                  [--reps 30] [--namespaces 100] [--no-ops] [--cache DIR] [--no-cache]
+
+PostgreSQL's data directories and the SQLite catalogs go under the system temp
+directory: set TMPDIR to a disk with room (about 3 KB a chunk, both backends).
 
 For each backend and size, a catalog of that many chunks (chains of 512 chunks
 of 256 tokens) is built, then for prompts of 1k to 128k tokens (a full match
@@ -29,11 +32,27 @@ Every size of a backend is open at once and measured together: each rep runs
 floor by key, floor by hash and lookup for every size in turn, so the
 1M / 10k lookup ratio printed at the end also comes from interleaved reps.
 
-Building the catalog: the probe chain and three more go through
-`record_chunks` (the publish path, timed as "publish (chunks/s)"); the rest
-are synthetic chains (real chain hashes, random token ids) written as the
-same prefix, chunk and replica rows `record_chunks` writes, in batches of 32
+Building the catalog: chain `seed` belongs to namespace `seed % --namespaces`
+(the probe namespace `bench`, then `bench-01`...), each created as the catalog
+creates namespaces. Each namespace's first chain goes through `record_chunks`
+(the publish path, which also registers the namespace's fingerprint; timed as
+"publish while building"); the rest are synthetic chains (real chain hashes,
+random token ids) written as the same prefix, chunk and replica rows (each
+namespace its own replica rows) `record_chunks` writes, in batches of 32
 chains: plain INSERTs on SQLite, COPY on PostgreSQL (then VACUUM ANALYZE).
+Every tenth chain of a namespace was last used 30 days ago: GC's garbage.
+
+Then, unless --no-ops, for each size in turn (`operations`): the catalog's size
+on disk per chunk (PostgreSQL: `pg_database_size`, `pg_total_relation_size` of
+the three large tables, `pg_indexes_size`; SQLite: the file, and `dbstat` per
+table), `kvc stats` for one namespace and for all (`Catalog.stats`, what the
+command runs), four admin-SQL reports of docs/admin-sql.md, a real GC run over
+`bench-01` (`maintenance.collect.run_gc`, max age 7 days, its store an empty
+local directory: the mark is `plan_gc`, the run adds the resume, the purge and
+the sweep), and the publish rate of 1 and 8 writer threads calling
+`record_chunks` (64 chunks a call), the 8 each into its own namespace and all
+into one. These change the catalog, so a SQLite catalog is cached only with
+--no-ops.
 SQLite catalogs are kept in --cache (default: the system temp directory,
 about 2.5 GB for 1M chunks) keyed by size and schema revision, so a second
 run starts at once; PostgreSQL is rebuilt each run, one server per size. On
