@@ -135,12 +135,29 @@ def records(tokens: np.ndarray, namespace: str = PROBE) -> list[ChunkRecord]:
         h = chain_hash(parent, piece)
         key = _blob_key(h)
         rc = ReplicaReceipt(LOCATION, "local", 1000, "blake3:" + key, now)
-        out.append(ChunkRecord(namespace, FP, h, parent, i, piece.tolist(), SHARD, key, "raw", 1000, 14_680_064, [rc]))
+        out.append(
+            ChunkRecord(
+                namespace,
+                FP,
+                h,
+                parent,
+                i,
+                piece.tolist(),
+                SHARD,
+                key,
+                "raw",
+                1000,
+                14_680_064,
+                [rc],
+            )
+        )
         parent = h
     return out
 
 
-def bulk_rows(seed: int, namespace: str, ns_id: int, now: datetime) -> tuple[list[dict[str, Any]], ...]:
+def bulk_rows(
+    seed: int, namespace: str, ns_id: int, now: datetime
+) -> tuple[list[dict[str, Any]], ...]:
     """The prefix, chunk and replica rows `record_chunks` would write for chain `seed`."""
     tokens = chain(seed).astype(np.uint32)
     be = tokens.astype(">u4").tobytes()
@@ -222,7 +239,9 @@ def build(cat: Catalog, size: int, namespaces: int) -> float:
         n += len(recs)
     rate = n / (time.perf_counter() - t0)
     with cat.engine.connect() as conn:
-        ns_ids = {name: ns_id for name, ns_id in conn.execute(sa.text("SELECT name, id FROM namespaces"))}
+        ns_ids = {
+            name: ns_id for name, ns_id in conn.execute(sa.text("SELECT name, id FROM namespaces"))
+        }
     now = datetime.now(UTC)
     batch = 32
     t0 = time.perf_counter()
@@ -238,7 +257,11 @@ def build(cat: Catalog, size: int, namespaces: int) -> float:
             for table, part in zip((PrefixNode, Chunk, Replica), rows, strict=True):
                 _insert(conn, table, part[:keep])
         n += min(keep, len(rows[0]))
-        print(f"  fill {n}/{size} ({n / (time.perf_counter() - t0):.0f} chunks/s)", file=sys.stderr, end="\r")
+        print(
+            f"  fill {n}/{size} ({n / (time.perf_counter() - t0):.0f} chunks/s)",
+            file=sys.stderr,
+            end="\r",
+        )
     print(file=sys.stderr)
     with cat.engine.connect() as conn:
         if conn.dialect.name == "postgresql":
@@ -276,7 +299,11 @@ def floor_sql(dialect: str, n: int, *, by_identity: bool = True) -> str:
 
 
 def floor_params(dialect: str, hashes: list[bytes], *, by_identity: bool = True) -> tuple[Any, ...]:
-    ident = (FP.hex, SHARD.layer_lo, SHARD.layer_hi, SHARD.head_lo, SHARD.head_hi) if by_identity else ()
+    ident = (
+        (FP.hex, SHARD.layer_lo, SHARD.layer_hi, SHARD.head_lo, SHARD.head_hi)
+        if by_identity
+        else ()
+    )
     return (*hashes, *ident) if dialect == "sqlite" else (hashes, *ident)
 
 
@@ -316,7 +343,9 @@ def measure(backend: str, cats: dict[int, Catalog], reps: int) -> list[tuple[str
 
         def point(cat: Catalog = cat, ids: Iterator[int] = ids) -> None:
             with cat.engine.connect() as conn:
-                conn.execute(sa.text("SELECT blob_key FROM chunks WHERE id = :i"), {"i": next(ids)}).one()
+                conn.execute(
+                    sa.text("SELECT blob_key FROM chunks WHERE id = :i"), {"i": next(ids)}
+                ).one()
 
         fns += [point, lambda cat=cat: cat.lookup("bench", FP, q1)]
     pts = interleaved(fns, reps)[::2]
@@ -332,7 +361,10 @@ def measure(backend: str, cats: dict[int, Catalog], reps: int) -> list[tuple[str
             hs = [c.prefix_hash for c in m.chunks]
             n = len(hs)
             by_key = (floor_sql(dialect, n), floor_params(dialect, hs))
-            by_hash = (floor_sql(dialect, n, by_identity=False), floor_params(dialect, hs, by_identity=False))
+            by_hash = (
+                floor_sql(dialect, n, by_identity=False),
+                floor_params(dialect, hs, by_identity=False),
+            )
             for sql, params in (by_key, by_hash):
                 assert len(fetch_plan_rows(cat, sql, params)) == n
             fns += [
@@ -393,17 +425,33 @@ def disk_rows(cat: Catalog, size: int) -> list[tuple[str, float]]:
             db = conn.exec_driver_sql("PRAGMA database_list").all()[0][2]
             total = os.path.getsize(db)
             try:
-                by_name = dict(conn.exec_driver_sql("SELECT name, sum(pgsize) FROM dbstat GROUP BY name").all())
+                by_name = dict(
+                    conn.exec_driver_sql("SELECT name, sum(pgsize) FROM dbstat GROUP BY name").all()
+                )
             except sa.exc.OperationalError:  # built without the dbstat table: the file only
                 by_name = {}
-            owner = {str(ix.name): t.name for t in (PrefixNode.__table__, Chunk.__table__, Replica.__table__) for ix in t.indexes}
+            owner = {
+                str(ix.name): t.name
+                for t in (PrefixNode.__table__, Chunk.__table__, Replica.__table__)
+                for ix in t.indexes
+            }
             parts = {}
             for name, n in by_name.items():
                 table = owner.get(name, name.removeprefix("sqlite_autoindex_").rsplit("_", 1)[0])
                 if table in ("prefixes", "chunks", "replicas"):
                     parts[table] = parts.get(table, 0) + n
-            indexes = sum(n for name, n in by_name.items() if name in owner or name.startswith("sqlite_autoindex")) or None
-    rows = [("disk, whole catalog (GB)", float(total) / 1e9), ("disk per chunk (bytes)", float(total) / size)]
+            indexes = (
+                sum(
+                    n
+                    for name, n in by_name.items()
+                    if name in owner or name.startswith("sqlite_autoindex")
+                )
+                or None
+            )
+    rows = [
+        ("disk, whole catalog (GB)", float(total) / 1e9),
+        ("disk per chunk (bytes)", float(total) / size),
+    ]
     rows += [(f"  {t} per chunk (bytes)", float(n) / size) for t, n in parts.items()]
     if indexes:
         rows.append(("  indexes, all tables (GB)", float(indexes) / 1e9))
@@ -441,7 +489,9 @@ def writer_jobs(first_seed: int, namespaces: Sequence[str]) -> list[list[ChunkRe
     """WRITER_CHUNKS new chunks for each of these namespaces' writers (fresh chains)."""
     per = -(-WRITER_CHUNKS // CHAIN_CHUNKS)
     return [
-        [r for k in range(per) for r in records(chain(first_seed + per * w + k), ns)][:WRITER_CHUNKS]
+        [r for k in range(per) for r in records(chain(first_seed + per * w + k), ns)][
+            :WRITER_CHUNKS
+        ]
         for w, ns in enumerate(namespaces)
     ]
 
@@ -467,22 +517,53 @@ def operations(cat: Catalog, size: int, namespaces: int) -> list[tuple[str, floa
     plan = plan_gc(cat, GC_NAMESPACE, max_age_s=week, max_bytes=None, now=now)
     rows.append((f"gc: chunks in {GC_NAMESPACE}", plan.bytes_before / 1000))  # 1000 bytes a chunk
     rows.append(("gc: chunks to purge (unused 30 days)", float(len(plan.items))))
-    rows.append(("gc mark: plan (ms)", timed(lambda: plan_gc(cat, GC_NAMESPACE, max_age_s=week, max_bytes=None, now=now)) * 1e3))
+    rows.append(
+        (
+            "gc mark: plan (ms)",
+            timed(lambda: plan_gc(cat, GC_NAMESPACE, max_age_s=week, max_bytes=None, now=now))
+            * 1e3,
+        )
+    )
     t0 = time.perf_counter()
     report = run_gc(cat, [store], GC_NAMESPACE, max_age_s=week, now=now, actor="bench")
     rows.append(("gc run: resume, mark, purge, sweep (ms)", (time.perf_counter() - t0) * 1e3))
     removed = report.retention.result.chunks_removed if report.retention.result else 0
     assert removed == len(plan.items), (removed, len(plan.items))
-    rows.append(("gc run again, nothing to purge (ms)", timed(lambda: run_gc(cat, [store], GC_NAMESPACE, max_age_s=week, now=now, actor="bench"), reps=1) * 1e3))
+    rows.append(
+        (
+            "gc run again, nothing to purge (ms)",
+            timed(
+                lambda: run_gc(cat, [store], GC_NAMESPACE, max_age_s=week, now=now, actor="bench"),
+                reps=1,
+            )
+            * 1e3,
+        )
+    )
     store.close()
     seed = 1_000_000_000
-    rows.append(("publish, 1 writer (chunks/s)", publish_rate(cat, writer_jobs(seed, [namespace_name(1)]))))
+    rows.append(
+        ("publish, 1 writer (chunks/s)", publish_rate(cat, writer_jobs(seed, [namespace_name(1)])))
+    )
     seed += 100
-    own = [namespace_name(2 + w) for w in range(min(WRITERS, namespaces - 2))] if namespaces > 2 else []
+    own = (
+        [namespace_name(2 + w) for w in range(min(WRITERS, namespaces - 2))]
+        if namespaces > 2
+        else []
+    )
     if len(own) == WRITERS:
-        rows.append((f"publish, {WRITERS} writers, own namespaces (chunks/s)", publish_rate(cat, writer_jobs(seed, own))))
+        rows.append(
+            (
+                f"publish, {WRITERS} writers, own namespaces (chunks/s)",
+                publish_rate(cat, writer_jobs(seed, own)),
+            )
+        )
     seed += 100
-    rows.append((f"publish, {WRITERS} writers, one namespace (chunks/s)", publish_rate(cat, writer_jobs(seed, [PROBE] * WRITERS))))
+    rows.append(
+        (
+            f"publish, {WRITERS} writers, one namespace (chunks/s)",
+            publish_rate(cat, writer_jobs(seed, [PROBE] * WRITERS)),
+        )
+    )
     return rows
 
 
@@ -505,8 +586,17 @@ def run(
             cat = Catalog.open(url, upgrade=True)
             stack.callback(cat.close)
             if fresh:
-                rows.append((backend, size, "publish while building (chunks/s)", build(cat, size, namespaces)))
-            print(f"{backend} {_h(size)}: ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+                rows.append(
+                    (
+                        backend,
+                        size,
+                        "publish while building (chunks/s)",
+                        build(cat, size, namespaces),
+                    )
+                )
+            print(
+                f"{backend} {_h(size)}: ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr
+            )
             cats[size] = cat
         t0 = time.perf_counter()
         rows += measure(backend, cats, reps)
@@ -514,18 +604,27 @@ def run(
         for size, cat in cats.items() if ops else ():
             t0 = time.perf_counter()
             rows += [(backend, size, m, v) for m, v in operations(cat, size, namespaces)]
-            print(f"{backend} {_h(size)}: operations measured in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+            print(
+                f"{backend} {_h(size)}: operations measured in {time.perf_counter() - t0:.0f} s",
+                file=sys.stderr,
+            )
     return rows
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--sizes", default="10000,100000,1000000")
     ap.add_argument("--backends", default="sqlite,postgres")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "kvc-bench-catalog-cache"))
-    ap.add_argument("--no-cache", action="store_true", help="build SQLite catalogs afresh and keep none")
-    ap.add_argument("--namespaces", type=int, default=100, help="namespaces the chunks are spread over")
+    ap.add_argument(
+        "--no-cache", action="store_true", help="build SQLite catalogs afresh and keep none"
+    )
+    ap.add_argument(
+        "--namespaces", type=int, default=100, help="namespaces the chunks are spread over"
+    )
     ap.add_argument(
         "--no-ops",
         action="store_true",
@@ -546,7 +645,9 @@ def main() -> None:
 
                 @contextmanager
                 def sqlite_db(size: int) -> Iterator[tuple[str, bool]]:
-                    name = f"catalog-{size}-n{args.namespaces}-r{head_revision()}-d{DATA_VERSION}.db"
+                    name = (
+                        f"catalog-{size}-n{args.namespaces}-r{head_revision()}-d{DATA_VERSION}.db"
+                    )
                     if args.no_cache or not args.no_ops:
                         yield f"sqlite:///{work / name}", True
                         return
@@ -572,7 +673,9 @@ def main() -> None:
                     with start_postgres() as pg:  # one server per size, like for like
                         yield pg.url, True
 
-                rows += run("postgres", postgres_db, sizes, args.reps, args.namespaces, not args.no_ops)
+                rows += run(
+                    "postgres", postgres_db, sizes, args.reps, args.namespaces, not args.no_ops
+                )
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(STORE_DIR, ignore_errors=True)
@@ -586,14 +689,21 @@ def main() -> None:
     print(f"{'metric':<52}" + "".join(f"{b[:6] + ' ' + _h(s):>14}" for b, s in cols))
     for m in metrics:
         vals = {(b, s): v for b, s, mm, v in rows if mm == m}
-        print(f"{m:<52}" + "".join(f"{vals[c]:>14.2f}" if c in vals else f"{'-':>14}" for c in cols))
+        print(
+            f"{m:<52}" + "".join(f"{vals[c]:>14.2f}" if c in vals else f"{'-':>14}" for c in cols)
+        )
     if len(sizes) > 1:
         lo, hi = sizes[0], sizes[-1]
         for b in backends:
             v = {(s, m): x for bb, s, m, x in rows if bb == b}
             lk = v[(hi, "lookup 128k tokens (ms)")] / v[(lo, "lookup 128k tokens (ms)")]
-            fl = v[(hi, "  fetch 512 plan rows by key (ms)")] / v[(lo, "  fetch 512 plan rows by key (ms)")]
-            print(f"{b}: lookup 128k {_h(hi)} / {_h(lo)} = {lk:.2f}x (floor {_h(hi)} / {_h(lo)} = {fl:.2f}x)")
+            fl = (
+                v[(hi, "  fetch 512 plan rows by key (ms)")]
+                / v[(lo, "  fetch 512 plan rows by key (ms)")]
+            )
+            print(
+                f"{b}: lookup 128k {_h(hi)} / {_h(lo)} = {lk:.2f}x (floor {_h(hi)} / {_h(lo)} = {fl:.2f}x)"
+            )
 
 
 def _h(n: int) -> str:
