@@ -4,7 +4,10 @@ Usage (repository root, project venv with the `test` extra, which brings the
 embedded PostgreSQL):
 
     python bench/bench_catalog.py [--sizes 10000,100000,1000000] [--backends sqlite,postgres]
-                                  [--reps 30] [--cache DIR] [--no-cache]
+                                  [--reps 30] [--namespaces 100] [--no-ops] [--cache DIR] [--no-cache]
+
+PostgreSQL's data directories and the SQLite catalogs go under the system temp
+directory: set TMPDIR to a disk with room (about 3 KB a chunk, both backends).
 
 For each backend and size, a catalog of that many chunks (chains of 512 chunks
 of 256 tokens) is built, then for prompts of 1k to 128k tokens (a full match
@@ -29,11 +32,27 @@ Every size of a backend is open at once and measured together: each rep runs
 floor by key, floor by hash and lookup for every size in turn, so the
 1M / 10k lookup ratio printed at the end also comes from interleaved reps.
 
-Building the catalog: the probe chain and three more go through
-`record_chunks` (the publish path, timed as "publish (chunks/s)"); the rest
-are synthetic chains (real chain hashes, random token ids) written as the
-same prefix, chunk and replica rows `record_chunks` writes, in batches of 32
+Building the catalog: chain `seed` belongs to namespace `seed % --namespaces`
+(the probe namespace `bench`, then `bench-01`...), each created as the catalog
+creates namespaces. Each namespace's first chain goes through `record_chunks`
+(the publish path, which also registers the namespace's fingerprint; timed as
+"publish while building"); the rest are synthetic chains (real chain hashes,
+random token ids) written as the same prefix, chunk and replica rows (each
+namespace its own replica rows) `record_chunks` writes, in batches of 32
 chains: plain INSERTs on SQLite, COPY on PostgreSQL (then VACUUM ANALYZE).
+Every tenth chain of a namespace was last used 30 days ago: GC's garbage.
+
+Then, unless --no-ops, for each size in turn (`operations`): the catalog's size
+on disk per chunk (PostgreSQL: `pg_database_size`, `pg_total_relation_size` of
+the three large tables, `pg_indexes_size`; SQLite: the file, and `dbstat` per
+table), `kvc stats` for one namespace and for all (`Catalog.stats`, what the
+command runs), four admin-SQL reports of docs/admin-sql.md, a real GC run over
+`bench-01` (`maintenance.collect.run_gc`, max age 7 days, its store an empty
+local directory: the mark is `plan_gc`, the run adds the resume, the purge and
+the sweep), and the publish rate of 1 and 8 writer threads calling
+`record_chunks` (64 chunks a call), the 8 each into its own namespace and all
+into one. These change the catalog, so a SQLite catalog is cached only with
+--no-ops.
 SQLite catalogs are kept in --cache (default: the system temp directory,
 about 2.5 GB for 1M chunks) keyed by size and schema revision, so a second
 run starts at once; PostgreSQL is rebuilt each run, one server per size. On
@@ -46,14 +65,17 @@ catalogs cached, a full run (both backends, 10k, 100k, 1M, --reps 30) took
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Iterator
+import urllib.parse
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -66,19 +88,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from catalog import AttentionLayout, Fingerprint, chain_hash, chain_root
 from catalog.catalog import Catalog
 from catalog.database import head_revision
+from catalog.gc import plan_gc
 from catalog.identity import prefix_hashes
 from catalog.models import ChunkRecord, ReplicaReceipt, Shard
 from catalog.schema import HEAD_TOKENS, Chunk, PrefixNode, Replica
+from chunkstore.local import LocalStore
+from maintenance.collect import run_gc
 
 CS = 256
 CHAIN_CHUNKS = 512  # 128k tokens
 PROMPTS = (1024, 8192, 32768, 131072)
-PUBLISHED_CHAINS = 4  # through record_chunks; the rest are bulk-inserted
 LAYOUT = AttentionLayout(28, 4, 128, "float16")
 FP = Fingerprint.create(weights="bench", architecture="llama", config={}, attention_layout=LAYOUT)
 SHARD = Shard.full(LAYOUT)
-LOCATION = "file:///bench"
-DATA_VERSION = 2  # bump when the synthetic rows change
+# The store every replica row names: an empty local directory (GC deletes nothing there).
+STORE_DIR = Path(tempfile.gettempdir()) / "kvc-bench-catalog-store"
+LOCATION = "file://" + urllib.parse.quote(str(STORE_DIR))  # LocalStore(STORE_DIR).name
+DATA_VERSION = 3  # bump when the synthetic rows change
+PROBE = "bench"  # the namespace the lookups probe (chain 0), one of --namespaces
+GC_NAMESPACE = "bench-01"  # the namespace GC runs over
+OLD_EVERY = 10  # every 10th chain of a namespace was last used 30 days ago: GC's garbage
+OLD = timedelta(days=30)
+WRITERS = 8
+WRITER_CHUNKS = 1024  # published by each writer, in requests of REQUEST_CHUNKS
+REQUEST_CHUNKS = 64  # 16k tokens
+
+
+def namespace_name(i: int) -> str:
+    return PROBE if i == 0 else f"bench-{i:02d}"
 
 
 def chain(seed: int) -> np.ndarray:
@@ -89,27 +126,44 @@ def _blob_key(h: bytes) -> str:
     return blake3.blake3(h + b"blob").hexdigest()
 
 
-def records(tokens: np.ndarray) -> list[ChunkRecord]:
+def records(tokens: np.ndarray, namespace: str = PROBE) -> list[ChunkRecord]:
     now = datetime.now(UTC)
     out = []
-    parent = chain_root("bench")
+    parent = chain_root(namespace)
     for i in range(0, len(tokens), CS):
         piece = tokens[i : i + CS]
         h = chain_hash(parent, piece)
         key = _blob_key(h)
         rc = ReplicaReceipt(LOCATION, "local", 1000, "blake3:" + key, now)
-        out.append(ChunkRecord("bench", FP, h, parent, i, piece.tolist(), SHARD, key, "raw", 1000, 14_680_064, [rc]))
+        out.append(
+            ChunkRecord(
+                namespace,
+                FP,
+                h,
+                parent,
+                i,
+                piece.tolist(),
+                SHARD,
+                key,
+                "raw",
+                1000,
+                14_680_064,
+                [rc],
+            )
+        )
         parent = h
     return out
 
 
-def bulk_rows(seed: int, ns_id: int, now: datetime) -> tuple[list[dict[str, Any]], ...]:
+def bulk_rows(
+    seed: int, namespace: str, ns_id: int, now: datetime
+) -> tuple[list[dict[str, Any]], ...]:
     """The prefix, chunk and replica rows `record_chunks` would write for chain `seed`."""
     tokens = chain(seed).astype(np.uint32)
     be = tokens.astype(">u4").tobytes()
-    hashes = prefix_hashes("bench", tokens, CS)
+    hashes = prefix_hashes(namespace, tokens, CS)
     prefixes, chunks, replicas = [], [], []
-    parent = chain_root("bench")
+    parent = chain_root(namespace)
     for i, h in enumerate(hashes):
         piece = be[4 * CS * i : 4 * CS * (i + 1)]
         prefixes.append(
@@ -167,34 +221,47 @@ def bulk_rows(seed: int, ns_id: int, now: datetime) -> tuple[list[dict[str, Any]
     return prefixes, chunks, replicas
 
 
-def build(cat: Catalog, size: int) -> float:
-    """Fill an empty catalog to `size` chunks; the publish rate of the published part."""
-    cat.ensure_namespace("bench", CS)
+def build(cat: Catalog, size: int, namespaces: int) -> float:
+    """Fill an empty catalog to `size` chunks over `namespaces` namespaces (chain `seed` in
+    namespace `seed % namespaces`); the publish rate of the published part: each
+    namespace's first chain, through `record_chunks`, which also registers the namespace's
+    fingerprint as a publish does."""
+    names = [namespace_name(i) for i in range(namespaces)]
+    for name in names:
+        cat.ensure_namespace(name, CS)
     chains = -(-size // CHAIN_CHUNKS)
-    published = min(PUBLISHED_CHAINS, chains)
+    published = min(namespaces, chains)
     t0 = time.perf_counter()
     n = 0
     for seed in range(published):
-        recs = records(chain(seed))[: size - n]
+        recs = records(chain(seed), names[seed % namespaces])[: size - n]
         cat.record_chunks(recs)
         n += len(recs)
     rate = n / (time.perf_counter() - t0)
     with cat.engine.connect() as conn:
-        ns_id = conn.execute(sa.text("SELECT id FROM namespaces WHERE name = 'bench'")).scalar_one()
+        ns_ids = {
+            name: ns_id for name, ns_id in conn.execute(sa.text("SELECT name, id FROM namespaces"))
+        }
     now = datetime.now(UTC)
     batch = 32
     t0 = time.perf_counter()
     for first in range(published, chains, batch):
         rows: tuple[list[dict[str, Any]], ...] = ([], [], [])
         for seed in range(first, min(first + batch, chains)):
-            for acc, part in zip(rows, bulk_rows(seed, ns_id, now), strict=True):
+            name = names[seed % namespaces]
+            at = now - OLD if (seed // namespaces) % OLD_EVERY == OLD_EVERY - 1 else now
+            for acc, part in zip(rows, bulk_rows(seed, name, ns_ids[name], at), strict=True):
                 acc.extend(part)
         keep = size - n
         with cat.engine.execution_options(kvc_write=True).begin() as conn:
             for table, part in zip((PrefixNode, Chunk, Replica), rows, strict=True):
                 _insert(conn, table, part[:keep])
         n += min(keep, len(rows[0]))
-        print(f"  fill {n}/{size} ({n / (time.perf_counter() - t0):.0f} chunks/s)", file=sys.stderr, end="\r")
+        print(
+            f"  fill {n}/{size} ({n / (time.perf_counter() - t0):.0f} chunks/s)",
+            file=sys.stderr,
+            end="\r",
+        )
     print(file=sys.stderr)
     with cat.engine.connect() as conn:
         if conn.dialect.name == "postgresql":
@@ -232,7 +299,11 @@ def floor_sql(dialect: str, n: int, *, by_identity: bool = True) -> str:
 
 
 def floor_params(dialect: str, hashes: list[bytes], *, by_identity: bool = True) -> tuple[Any, ...]:
-    ident = (FP.hex, SHARD.layer_lo, SHARD.layer_hi, SHARD.head_lo, SHARD.head_hi) if by_identity else ()
+    ident = (
+        (FP.hex, SHARD.layer_lo, SHARD.layer_hi, SHARD.head_lo, SHARD.head_hi)
+        if by_identity
+        else ()
+    )
     return (*hashes, *ident) if dialect == "sqlite" else (hashes, *ident)
 
 
@@ -272,7 +343,9 @@ def measure(backend: str, cats: dict[int, Catalog], reps: int) -> list[tuple[str
 
         def point(cat: Catalog = cat, ids: Iterator[int] = ids) -> None:
             with cat.engine.connect() as conn:
-                conn.execute(sa.text("SELECT blob_key FROM chunks WHERE id = :i"), {"i": next(ids)}).one()
+                conn.execute(
+                    sa.text("SELECT blob_key FROM chunks WHERE id = :i"), {"i": next(ids)}
+                ).one()
 
         fns += [point, lambda cat=cat: cat.lookup("bench", FP, q1)]
     pts = interleaved(fns, reps)[::2]
@@ -288,7 +361,10 @@ def measure(backend: str, cats: dict[int, Catalog], reps: int) -> list[tuple[str
             hs = [c.prefix_hash for c in m.chunks]
             n = len(hs)
             by_key = (floor_sql(dialect, n), floor_params(dialect, hs))
-            by_hash = (floor_sql(dialect, n, by_identity=False), floor_params(dialect, hs, by_identity=False))
+            by_hash = (
+                floor_sql(dialect, n, by_identity=False),
+                floor_params(dialect, hs, by_identity=False),
+            )
             for sql, params in (by_key, by_hash):
                 assert len(fetch_plan_rows(cat, sql, params)) == n
             fns += [
@@ -309,13 +385,198 @@ def measure(backend: str, cats: dict[int, Catalog], reps: int) -> list[tuple[str
     return rows
 
 
+# The admin-SQL reports of docs/admin-sql.md an operator runs (3, 4, 10) and a page of one
+# namespace's chunks: each reads what it reports on, the whole catalog for the first three.
+ADMIN_QUERIES = {
+    "usage per namespace": "SELECT namespace, fingerprint, chunks, tokens, kv_bytes, stored_bytes"
+    " FROM v_namespace_usage ORDER BY stored_bytes DESC",
+    "replicas unverified 7 days": "SELECT count(*) FROM v_replica_health"
+    " WHERE last_verified_at IS NULL OR seconds_since_verified > 7 * 86400",
+    "chunks without a usable replica": "SELECT count(*) FROM v_chunks WHERE usable_replicas = 0",
+    f"100 chunks of {GC_NAMESPACE}": "SELECT chunk_id, prefix, token_start, blob_key, replicas"
+    f" FROM v_chunks WHERE namespace = '{GC_NAMESPACE}' LIMIT 100",
+}
+
+
+def timed(fn: Callable[[], object], reps: int = 3) -> float:
+    """Median seconds of `reps` runs of fn (no warm-up: the first run is a cold operator's)."""
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def disk_rows(cat: Catalog, size: int) -> list[tuple[str, float]]:
+    """The catalog's size on disk, per chunk (whole database, and its large tables and indexes)."""
+    with cat.engine.connect() as conn:
+        if conn.dialect.name == "postgresql":
+            total = conn.exec_driver_sql("SELECT pg_database_size(current_database())").scalar_one()
+            parts = {
+                t: conn.exec_driver_sql(f"SELECT pg_total_relation_size('{t}')").scalar_one()
+                for t in ("prefixes", "chunks", "replicas")
+            }
+            indexes = conn.exec_driver_sql(
+                "SELECT sum(pg_indexes_size(c.oid)) FROM pg_class c"
+                " WHERE c.relkind = 'r' AND c.relnamespace = 'public'::regnamespace"
+            ).scalar_one()
+        else:
+            db = conn.exec_driver_sql("PRAGMA database_list").all()[0][2]
+            total = os.path.getsize(db)
+            try:
+                by_name = dict(
+                    conn.exec_driver_sql("SELECT name, sum(pgsize) FROM dbstat GROUP BY name").all()
+                )
+            except sa.exc.OperationalError:  # built without the dbstat table: the file only
+                by_name = {}
+            owner = {
+                str(ix.name): t.name
+                for t in (PrefixNode.__table__, Chunk.__table__, Replica.__table__)
+                for ix in t.indexes
+            }
+            parts = {}
+            for name, n in by_name.items():
+                table = owner.get(name, name.removeprefix("sqlite_autoindex_").rsplit("_", 1)[0])
+                if table in ("prefixes", "chunks", "replicas"):
+                    parts[table] = parts.get(table, 0) + n
+            indexes = (
+                sum(
+                    n
+                    for name, n in by_name.items()
+                    if name in owner or name.startswith("sqlite_autoindex")
+                )
+                or None
+            )
+    rows = [
+        ("disk, whole catalog (GB)", float(total) / 1e9),
+        ("disk per chunk (bytes)", float(total) / size),
+    ]
+    rows += [(f"  {t} per chunk (bytes)", float(n) / size) for t, n in parts.items()]
+    if indexes:
+        rows.append(("  indexes, all tables (GB)", float(indexes) / 1e9))
+    return rows
+
+
+def publish_rate(cat: Catalog, jobs: Sequence[list[ChunkRecord]]) -> float:
+    """Chunks/s of `len(jobs)` threads each publishing its records through `record_chunks`,
+    REQUEST_CHUNKS per call, all started together."""
+    start = threading.Barrier(len(jobs) + 1)
+    errors: list[BaseException] = []
+
+    def writer(recs: list[ChunkRecord]) -> None:
+        start.wait()
+        try:
+            for i in range(0, len(recs), REQUEST_CHUNKS):
+                cat.record_chunks(recs[i : i + REQUEST_CHUNKS])
+        except BaseException as exc:  # reported below, in the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(recs,)) for recs in jobs]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return sum(len(r) for r in jobs) / elapsed
+
+
+def writer_jobs(first_seed: int, namespaces: Sequence[str]) -> list[list[ChunkRecord]]:
+    """WRITER_CHUNKS new chunks for each of these namespaces' writers (fresh chains)."""
+    per = -(-WRITER_CHUNKS // CHAIN_CHUNKS)
+    return [
+        [r for k in range(per) for r in records(chain(first_seed + per * w + k), ns)][
+            :WRITER_CHUNKS
+        ]
+        for w, ns in enumerate(namespaces)
+    ]
+
+
+def operations(cat: Catalog, size: int, namespaces: int) -> list[tuple[str, float]]:
+    """What besides lookups grows with the catalog: disk, `kvc stats`, the admin views, a GC
+    run over one namespace, and publishing with 8 writers (last: it adds chunks)."""
+    rows = disk_rows(cat, size)
+    rows.append((f"kvc stats, namespace {PROBE} (ms)", timed(lambda: cat.stats(PROBE)) * 1e3))
+    rows.append(("kvc stats, all namespaces (ms)", timed(lambda: cat.stats(None)) * 1e3))
+    for name, sql in ADMIN_QUERIES.items():
+
+        def query(sql: str = sql) -> None:
+            with cat.engine.connect() as conn:
+                conn.exec_driver_sql(sql).all()
+
+        rows.append((f"view: {name} (ms)", timed(query, reps=1) * 1e3))
+    STORE_DIR.mkdir(parents=True, exist_ok=True)
+    store = LocalStore(STORE_DIR)
+    assert store.name == LOCATION, (store.name, LOCATION)
+    week = 7 * 86400.0
+    now = datetime.now(UTC)
+    plan = plan_gc(cat, GC_NAMESPACE, max_age_s=week, max_bytes=None, now=now)
+    rows.append((f"gc: chunks in {GC_NAMESPACE}", plan.bytes_before / 1000))  # 1000 bytes a chunk
+    rows.append(("gc: chunks to purge (unused 30 days)", float(len(plan.items))))
+    rows.append(
+        (
+            "gc mark: plan (ms)",
+            timed(lambda: plan_gc(cat, GC_NAMESPACE, max_age_s=week, max_bytes=None, now=now))
+            * 1e3,
+        )
+    )
+    t0 = time.perf_counter()
+    report = run_gc(cat, [store], GC_NAMESPACE, max_age_s=week, now=now, actor="bench")
+    rows.append(("gc run: resume, mark, purge, sweep (ms)", (time.perf_counter() - t0) * 1e3))
+    removed = report.retention.result.chunks_removed if report.retention.result else 0
+    assert removed == len(plan.items), (removed, len(plan.items))
+    rows.append(
+        (
+            "gc run again, nothing to purge (ms)",
+            timed(
+                lambda: run_gc(cat, [store], GC_NAMESPACE, max_age_s=week, now=now, actor="bench"),
+                reps=1,
+            )
+            * 1e3,
+        )
+    )
+    store.close()
+    seed = 1_000_000_000
+    rows.append(
+        ("publish, 1 writer (chunks/s)", publish_rate(cat, writer_jobs(seed, [namespace_name(1)])))
+    )
+    seed += 100
+    own = (
+        [namespace_name(2 + w) for w in range(min(WRITERS, namespaces - 2))]
+        if namespaces > 2
+        else []
+    )
+    if len(own) == WRITERS:
+        rows.append(
+            (
+                f"publish, {WRITERS} writers, own namespaces (chunks/s)",
+                publish_rate(cat, writer_jobs(seed, own)),
+            )
+        )
+    seed += 100
+    rows.append(
+        (
+            f"publish, {WRITERS} writers, one namespace (chunks/s)",
+            publish_rate(cat, writer_jobs(seed, [PROBE] * WRITERS)),
+        )
+    )
+    return rows
+
+
 def run(
     backend: str,
     open_for: Callable[[int], AbstractContextManager[tuple[str, bool]]],
     sizes: list[int],
     reps: int,
+    namespaces: int,
+    ops: bool,
 ) -> list[tuple[str, int, str, float]]:
-    """Open (building where needed) a catalog of every size, then measure them together."""
+    """Open (building where needed) a catalog of every size, measure their lookups together,
+    then (`ops`) each one's other operations in turn."""
     rows: list[tuple[str, int, str, float]] = []
     with ExitStack() as stack:
         cats: dict[int, Catalog] = {}
@@ -325,23 +586,53 @@ def run(
             cat = Catalog.open(url, upgrade=True)
             stack.callback(cat.close)
             if fresh:
-                rows.append((backend, size, "publish (chunks/s)", build(cat, size)))
-            print(f"{backend} {_h(size)}: ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+                rows.append(
+                    (
+                        backend,
+                        size,
+                        "publish while building (chunks/s)",
+                        build(cat, size, namespaces),
+                    )
+                )
+            print(
+                f"{backend} {_h(size)}: ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr
+            )
             cats[size] = cat
         t0 = time.perf_counter()
         rows += measure(backend, cats, reps)
-        print(f"{backend}: measured in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        print(f"{backend}: lookups measured in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        for size, cat in cats.items() if ops else ():
+            t0 = time.perf_counter()
+            rows += [(backend, size, m, v) for m, v in operations(cat, size, namespaces)]
+            print(
+                f"{backend} {_h(size)}: operations measured in {time.perf_counter() - t0:.0f} s",
+                file=sys.stderr,
+            )
     return rows
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--sizes", default="10000,100000,1000000")
     ap.add_argument("--backends", default="sqlite,postgres")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "kvc-bench-catalog-cache"))
-    ap.add_argument("--no-cache", action="store_true", help="build SQLite catalogs afresh and keep none")
+    ap.add_argument(
+        "--no-cache", action="store_true", help="build SQLite catalogs afresh and keep none"
+    )
+    ap.add_argument(
+        "--namespaces", type=int, default=100, help="namespaces the chunks are spread over"
+    )
+    ap.add_argument(
+        "--no-ops",
+        action="store_true",
+        help="lookups only (without it, stats, views, GC and 8 writers change each catalog, so none is cached)",
+    )
     args = ap.parse_args()
+    if args.namespaces < 2:
+        ap.error(f"--namespaces must be at least 2 (the probe's and GC's), got {args.namespaces}")
     sizes = [int(s) for s in args.sizes.split(",")]
     backends = args.backends.split(",")
     rows = []
@@ -354,8 +645,10 @@ def main() -> None:
 
                 @contextmanager
                 def sqlite_db(size: int) -> Iterator[tuple[str, bool]]:
-                    name = f"catalog-{size}-r{head_revision()}-d{DATA_VERSION}.db"
-                    if args.no_cache:
+                    name = (
+                        f"catalog-{size}-n{args.namespaces}-r{head_revision()}-d{DATA_VERSION}.db"
+                    )
+                    if args.no_cache or not args.no_ops:
                         yield f"sqlite:///{work / name}", True
                         return
                     cache.mkdir(parents=True, exist_ok=True)
@@ -371,7 +664,7 @@ def main() -> None:
                         Path(str(part) + suffix).unlink(missing_ok=True)
                     part.rename(path)
 
-                rows += run("sqlite", sqlite_db, sizes, args.reps)
+                rows += run("sqlite", sqlite_db, sizes, args.reps, args.namespaces, not args.no_ops)
             else:
                 from tests.services import start_postgres
 
@@ -380,26 +673,37 @@ def main() -> None:
                     with start_postgres() as pg:  # one server per size, like for like
                         yield pg.url, True
 
-                rows += run("postgres", postgres_db, sizes, args.reps)
+                rows += run(
+                    "postgres", postgres_db, sizes, args.reps, args.namespaces, not args.no_ops
+                )
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(STORE_DIR, ignore_errors=True)
     print(
-        f"\nkvc catalog bench: chunk size {CS}, chains of {CHAIN_CHUNKS} chunks, floor and lookup interleaved,"
+        f"\nkvc catalog bench: chunk size {CS}, chains of {CHAIN_CHUNKS} chunks over {args.namespaces} namespaces,"
+        " floor and lookup interleaved,"
         f" median of {args.reps}; {time.perf_counter() - t_start:.0f} s\n"
     )
     metrics = list(dict.fromkeys(r[2] for r in rows))
     cols = [(b, s) for b in backends for s in sizes]
-    print(f"{'metric':<36}" + "".join(f"{b[:6] + ' ' + _h(s):>14}" for b, s in cols))
+    print(f"{'metric':<52}" + "".join(f"{b[:6] + ' ' + _h(s):>14}" for b, s in cols))
     for m in metrics:
         vals = {(b, s): v for b, s, mm, v in rows if mm == m}
-        print(f"{m:<36}" + "".join(f"{vals[c]:>14.2f}" if c in vals else f"{'-':>14}" for c in cols))
+        print(
+            f"{m:<52}" + "".join(f"{vals[c]:>14.2f}" if c in vals else f"{'-':>14}" for c in cols)
+        )
     if len(sizes) > 1:
         lo, hi = sizes[0], sizes[-1]
         for b in backends:
             v = {(s, m): x for bb, s, m, x in rows if bb == b}
             lk = v[(hi, "lookup 128k tokens (ms)")] / v[(lo, "lookup 128k tokens (ms)")]
-            fl = v[(hi, "  fetch 512 plan rows by key (ms)")] / v[(lo, "  fetch 512 plan rows by key (ms)")]
-            print(f"{b}: lookup 128k {_h(hi)} / {_h(lo)} = {lk:.2f}x (floor {_h(hi)} / {_h(lo)} = {fl:.2f}x)")
+            fl = (
+                v[(hi, "  fetch 512 plan rows by key (ms)")]
+                / v[(lo, "  fetch 512 plan rows by key (ms)")]
+            )
+            print(
+                f"{b}: lookup 128k {_h(hi)} / {_h(lo)} = {lk:.2f}x (floor {_h(hi)} / {_h(lo)} = {fl:.2f}x)"
+            )
 
 
 def _h(n: int) -> str:

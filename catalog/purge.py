@@ -24,6 +24,12 @@ log = logging.getLogger(__name__)
 
 _BATCH = 500  # keys per IN (...) list
 
+# The states an interrupted run leaves, written into the statement (not bound): only then
+# does the planner use the partial indexes that hold just those rows (ix_chunks_purging,
+# ix_replicas_deleting) instead of reading every chunk or replica of the catalog.
+_PURGING = sa.literal("purging", literal_execute=True)
+_DELETING = sa.literal("deleting", literal_execute=True)
+
 # -- applying ----------------------------------------------------------------------------
 
 
@@ -433,7 +439,7 @@ def resume_gc(
                 )
                 .join(PrefixNode, PrefixNode.prefix_hash == Chunk.prefix_hash)
                 .join(Namespace, Namespace.id == PrefixNode.namespace_id)
-                .where(Chunk.state == "purging")
+                .where(Chunk.state == _PURGING)
                 .order_by(Chunk.id)
                 .with_for_update(of=Chunk)
             ):
@@ -466,7 +472,7 @@ def resume_gc(
             )
             for k, loc in conn.execute(
                 sa.select(Replica.blob_key, Replica.location)
-                .where(Replica.state == "deleting", ~ready.exists())
+                .where(Replica.state == _DELETING, ~ready.exists())
                 .distinct()
                 .order_by(Replica.blob_key, Replica.location)
             ):

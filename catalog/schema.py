@@ -191,6 +191,14 @@ class Chunk(Base):
         ),
         Index("ix_chunks_prefix_hash", "prefix_hash"),
         Index("ix_chunks_blob_key", "blob_key"),
+        # Only the chunks an interrupted GC left `purging` (usually none): every GC run
+        # looks for them first (`resume_gc`), with the state written as a literal.
+        Index(
+            "ix_chunks_purging",
+            "id",
+            sqlite_where=text("state = 'purging'"),
+            postgresql_where=text("state = 'purging'"),
+        ),
         CheckConstraint("layer_lo >= 0 AND layer_hi > layer_lo", name="layer_range"),
         CheckConstraint("head_lo >= 0 AND head_hi > head_lo", name="head_range"),
         CheckConstraint("state IN ('ready', 'purging')", name="state_known"),
@@ -235,7 +243,16 @@ class Replica(Base):
             "state IN ('durable', 'ready', 'corrupt', 'missing', 'deleting')", name="state_known"
         ),
         CheckConstraint("tier IN ('resident', 'local', 'object')", name="tier_known"),
-        Index("ix_replicas_location", "location"),
+        # A store's replicas in a state (GC refuses to run while any is `missing`).
+        Index("ix_replicas_location_state", "location", "state"),
+        # Only the replicas an interrupted GC left `deleting` (usually none), as above.
+        Index(
+            "ix_replicas_deleting",
+            "blob_key",
+            "location",
+            sqlite_where=text("state = 'deleting'"),
+            postgresql_where=text("state = 'deleting'"),
+        ),
     )
 
 

@@ -3,10 +3,12 @@
 A crashed publish leaves bytes in a store with no catalog row (invariant P3).
 They are orphans only after `grace_s` seconds without modification: a publish
 in flight is younger, and a publish that reuses a blob refreshes its time, so
-the sweep never deletes what a concurrent publish relies on. The catalogue is
-read before the store is listed (a blob published meanwhile is young), looked
-at again for the candidates, and each candidate's time is read once more just
-before it is deleted.
+the sweep never deletes what a concurrent publish relies on. The store is
+listed a page at a time and each page's keys are looked up in the catalogue
+(by key: memory and catalogue reads grow with the page, not with the store or
+the catalog); a blob listed before its publish committed is young. The
+candidates are looked up again at the end, and each candidate's time is read
+once more just before it is deleted.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from itertools import islice
 from typing import Any
 
 from catalog.admin import still_catalogued
@@ -25,6 +28,8 @@ from maintenance.progress import Progress, StageCounter
 from restore.errors import InputError
 
 log = logging.getLogger(__name__)
+
+SWEEP_PAGE = 5000  # store keys looked up in the catalogue at a time
 
 
 @dataclass(frozen=True)
@@ -90,25 +95,27 @@ def _sweep_store(
     catalog: Catalog, store: ChunkStore, report: SweepReport, now: datetime, listed: StageCounter
 ) -> None:
     grace = report.grace_s
-    # Catalogue first, then list: a blob published meanwhile is young, so it is kept.
-    catalogued = set(catalog.replicas_at(store.name))
     candidates: dict[str, tuple[int, float]] = {}
     try:
-        for key in store.keys():
-            listed()
-            if key in catalogued:
-                report.kept_catalogued += 1
-                continue
-            try:
-                st = store.stat(key)
-            except BlobNotFoundError:
-                continue
-            age = (now - st.mtime).total_seconds()
-            if age < grace:
-                report.kept_young += 1
-            else:
-                candidates[key] = (st.size, age)
-        # Catalogued since the snapshot: not an orphan any more.
+        keys = iter(store.keys())
+        while page := list(islice(keys, SWEEP_PAGE)):
+            catalogued = still_catalogued(catalog, store.name, page)
+            for key in page:
+                listed()
+                if key in catalogued:
+                    report.kept_catalogued += 1
+                    continue
+                try:
+                    st = store.stat(key)
+                except BlobNotFoundError:
+                    continue
+                # Not catalogued when looked up: a publish in flight wrote it since (young).
+                age = (now - st.mtime).total_seconds()
+                if age < grace:
+                    report.kept_young += 1
+                else:
+                    candidates[key] = (st.size, age)
+        # Catalogued since its page was looked up: not an orphan any more.
         for key in still_catalogued(catalog, store.name, sorted(candidates)):
             del candidates[key]
             report.kept_catalogued += 1

@@ -177,6 +177,37 @@ def test_sweep_respects_grace(home: tuple[Home, Catalog, ChunkStore]) -> None:
         sweep_orphans(cat, [store], grace_s=-1)
 
 
+def test_sweep_looks_up_the_store_a_page_at_a_time(
+    home: tuple[Home, Catalog, ChunkStore], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sweep reads the catalogue by the listed keys, a page at a time: never every
+    replica at the store (at ten million chunks, a set of ten million keys in memory)."""
+    import sqlalchemy as sa
+
+    import maintenance.sweep
+
+    h, cat, store = home
+    age_everything(h, 7200)
+    old = [orphan(h, store, b"left by crashed publish %d" % i, 7200) for i in range(3)]
+    monkeypatch.setattr(maintenance.sweep, "SWEEP_PAGE", 2)  # 7 blobs: four pages
+    replica_reads: list[str] = []
+
+    @sa.event.listens_for(cat.engine, "before_cursor_execute")
+    def seen(conn: object, cursor: object, statement: str, *_: object) -> None:
+        if statement.lstrip().upper().startswith("SELECT") and "FROM replicas" in statement:
+            replica_reads.append(statement)
+
+    try:
+        report = sweep_orphans(cat, [store], grace_s=3600)
+    finally:
+        sa.event.remove(cat.engine, "before_cursor_execute", seen)
+    assert sorted(o.blob_key for o in report.deleted) == sorted(old)
+    assert report.kept_catalogued == 4 and report.kept_young == 0
+    assert all(h.blob_path(k).exists() for _, k in h.chain())
+    assert len(replica_reads) == 5  # one per page, and one for the candidates
+    assert all("replicas.blob_key IN" in sql for sql in replica_reads), replica_reads
+
+
 # -- a GC run -------------------------------------------------------------------------------
 
 
