@@ -44,7 +44,7 @@ class HFAdapter:
     A restored cache's tensors are views of one host buffer; once transformers has
     replaced them (its first forward) the buffer is kept for the next restore, up to
     `restore_buffer_bytes` of idle buffers (memory written before takes a copy about
-    twice as fast as memory the kernel maps anew; 0 keeps none).
+    twice as fast as memory the kernel maps anew; 0 keeps none; `restore_buffers` holds them).
     """
 
     def __init__(
@@ -85,9 +85,8 @@ class HFAdapter:
             full.head_dim,
             full.dtype,
         )
-        self._caches = CacheBuilder(
-            model, self.layout, self.shard, HostBuffers(restore_buffer_bytes)
-        )
+        self.restore_buffers = HostBuffers(restore_buffer_bytes)
+        self._caches = CacheBuilder(model, self.layout, self.shard, self.restore_buffers)
         self.session = Session(
             catalog,
             stores,
@@ -180,7 +179,7 @@ class HFAdapter:
     def close(self) -> None:
         """Finish queued checkpoints and write-behind uploads, then stop the workers."""
         self.session.close()
-        self._caches.buffers.clear()
+        self.restore_buffers.clear()
 
     def __enter__(self) -> HFAdapter:
         return self
