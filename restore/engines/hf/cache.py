@@ -229,11 +229,12 @@ class CacheBuilder:
         D]`) as `[1, H, tokens, D]` views; the other layers are empty."""
         cache = _copy(self._empty)
         cache.layers = [_copy(layer) for layer in self._empty.layers]
-        per_layer = kv[:, :, :tokens].transpose(2, 3).unsqueeze(2).unbind(0)  # [2, 1, H, T, D]
+        # [L, 2, T, H, D] -> 2L views [1, H, T, D] (K, V, K, V, ...) in one call.
+        views = kv[:, :, :tokens].transpose(2, 3).unsqueeze(2).flatten(0, 1).unbind(0)
         lo = self.shard.layer_lo
-        for i, (ready, pair) in enumerate(zip(self._ready, per_layer, strict=True)):
+        for i, ready in enumerate(self._ready):
             layer = _copy(ready)
-            layer.keys, layer.values = pair.unbind(0)
+            layer.keys, layer.values = views[2 * i], views[2 * i + 1]
             cache.layers[lo + i] = layer
         return cache
 
