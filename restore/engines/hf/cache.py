@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import mmap
 import threading
@@ -141,10 +142,14 @@ class HostBuffers:
         self.keep_bytes = keep_bytes
         self._lock = threading.Lock()
         self._idle: list[mmap.mmap] = []
+        # Buffers given back and not yet sorted in: a buffer comes back from a finalizer,
+        # which may run inside any allocation (a garbage collection), this class's included.
+        self._returned: collections.deque[mmap.mmap] = collections.deque()
 
     @property
     def idle_bytes(self) -> int:
         with self._lock:
+            self._sort_in()
             return sum(len(m) for m in self._idle)
 
     def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -168,6 +173,7 @@ class HostBuffers:
         """The smallest idle buffer of `size` to twice `size` bytes (a larger one would hold
         memory the restore does not use)."""
         with self._lock:
+            self._sort_in()
             fits = [m for m in self._idle if size <= len(m) <= 2 * size]
             if not fits:
                 return None
@@ -176,15 +182,25 @@ class HostBuffers:
             return memory
 
     def _give_back(self, memory: mmap.mmap) -> None:
-        with self._lock:
-            self._idle.append(memory)
-            self._idle.sort(key=len, reverse=True)
-            while self._idle and sum(len(m) for m in self._idle) > self.keep_bytes:
-                self._idle.pop(0)  # the largest first: it would serve fewer restores
+        self._returned.append(memory)  # atomic: never waits, whatever this thread holds
+        if self._lock.acquire(blocking=False):  # else the holder or the next caller sorts it in
+            try:
+                self._sort_in()
+            finally:
+                self._lock.release()
+
+    def _sort_in(self) -> None:
+        """Move given-back buffers to the idle ones, then trim those to `keep_bytes` (under the lock)."""
+        while self._returned:
+            self._idle.append(self._returned.popleft())
+        self._idle.sort(key=len, reverse=True)
+        while self._idle and sum(len(m) for m in self._idle) > self.keep_bytes:
+            self._idle.pop(0)  # the largest first: it would serve fewer restores
 
     def clear(self) -> None:
         """Drop the idle buffers (buffers in use come back and are kept as before)."""
         with self._lock:
+            self._returned.clear()
             self._idle.clear()
 
 
