@@ -22,8 +22,10 @@ For each dtype and prompt length it prints, medians of `--reps` runs:
   the blobs over two threads (the cores), into the same kind of memory kvc restores
   into (a `HostBuffers` of the adapter's `restore_buffer_bytes`: memory of the previous
   run, recycled, when it fits, fresh huge pages otherwise); kvc and the floor are run
-  in a new shuffled order every repetition, and the median of kvc's catalog lookup is
-  printed beside them (the floor has none: at 1k tokens it is a bound);
+  in a new shuffled order every repetition; beside the ratio of their medians, the ratio
+  of the CPU seconds they used (every thread; on a loaded machine the wall clock
+  mostly measures the share of the cores a run got) and the median of kvc's catalog
+  lookup (the floor has none: "bound" is the ratio the floor would reach with it);
 - S3: kvc's restore from SeaweedFS beside the S3 floor of issue 14 (raw boto3 GETs of
   the same blobs, 2, 4 and 8 at a time, no verify; the fastest), in the same run;
 - safetensors: one safetensors file per session (load, no verification);
@@ -51,7 +53,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_restore import interleaved, median_s
+from bench_restore import interleaved, median_s, metered
 
 from catalog.catalog import Catalog
 from chunkstore import ChunkStore, open_store
@@ -221,8 +223,11 @@ def bench(
 
         paths = [local.path_of(k) for k in local.keys()]  # type: ignore[attr-defined]
         floor = floor_restore(paths, kv.layout, n - 1, HostBuffers(kv.restore_buffers.keep_bytes))
-        times = interleaved({"kvc": restore_local, "floor": floor}, reps)
+        fns, busy = metered({"kvc": restore_local, "floor": floor})
+        times = interleaved(fns, reps)
         out["restore_local_s"], out["floor_s"] = times["kvc"], times["floor"]
+        # CPU seconds per run (every thread): what a loaded machine's noise does not change.
+        out["cpu_ratio"] = busy["floor"][0] / busy["kvc"][0]
         out["lookup_s"] = statistics.median(lookups)
         if recompute:
 
@@ -310,7 +315,7 @@ def main() -> None:
     )
     print(
         f"{'dtype':<9}{'tokens':>7}{'KV MB':>7}{'recompute s':>12}{'kvc TTFT s':>11}{'speedup':>8}"
-        f"{'restore GB/s':>13}{'floor GB/s':>11}{'ratio':>6}{'lookup ms':>10}{'bound':>6}"
+        f"{'restore GB/s':>13}{'floor GB/s':>11}{'ratio':>6}{'CPU ratio':>10}{'lookup ms':>10}{'bound':>6}"
         f"{'S3 GB/s':>8}{'S3 ratio':>9}{'safetensors GB/s':>17}{'load':>10}"
     )
     for r in rows:
@@ -319,7 +324,7 @@ def main() -> None:
         print(
             f"{r['dtype']:<9}{r['tokens']:>7}{r['kv_mb']:>7.0f}{r.get('recompute_s', nan):>12.2f}"
             f"{r.get('ttft_kvc_s', nan):>11.3f}{speedup}{r['restore_local_gbs']:>13.2f}"
-            f"{r['floor_gbs']:>11.2f}{r['ratio_to_floor']:>6.2f}{r['lookup_s'] * 1e3:>10.2f}"
+            f"{r['floor_gbs']:>11.2f}{r['ratio_to_floor']:>6.2f}{r['cpu_ratio']:>10.2f}{r['lookup_s'] * 1e3:>10.2f}"
             f"{r['lookup_bound']:>6.2f}{r.get('restore_s3_gbs', nan):>8.2f}{r.get('s3_ratio', nan):>9.2f}"
             f"{st:>17.2f}{r['load_before']:>5.1f}-{r['load_after']:<4.1f}"
         )
