@@ -13,17 +13,26 @@ Loaded out of tree::
 
 Scheduler side: `get_num_new_matched_tokens` looks the prompt up in the catalog
 and offers vLLM the longest stored prefix beyond what it has computed, in whole
-vLLM blocks and never the last prompt token. The loads and the saves of a step
-travel to the workers in `KvcConnectorMetadata`.
+vLLM blocks and never the last prompt token, as an asynchronous load
+(`load_async`, the default): vLLM allocates the blocks, parks the request in
+WAITING_FOR_REMOTE_KVS and keeps stepping the other requests. The loads (with the
+block ids `update_state_after_alloc` gave), the saves and the cancelled loads of a
+step travel to the workers in `KvcConnectorMetadata`.
 
 Worker side: a load is a kvc restore into the request's blocks (every chunk
-verified; positions vLLM already holds are not written); the blocks of
-positions that could not be restored are reported by
-`get_block_ids_with_load_errors`, and vLLM recomputes them. A save is a
-background checkpoint of the finished request's computed positions read
-straight from its blocks; vLLM frees the blocks once `get_finished` reports
-the read done. Prefix identity is kvc's chain hash over token ids, the same in
-every process: vLLM's block boundaries are mapped onto kvc chunks here.
+verified; positions vLLM already holds are not written) run on the connector's
+load threads beside the forward passes; `get_finished` reports it done (finished
+receiving) and `get_block_ids_with_load_errors`, no later than that, the blocks
+of positions that could not be restored: vLLM recomputes them
+(`kv_load_failure_policy='recompute'`), and the scheduler never offers that
+request a load again. A save copies the finished request's written positions to
+host memory once (`restore/staging.py`), reports the blocks released (finished
+sending), and only then publishes the copy (encode, fsync, S3, catalog) on the
+checkpointer's thread. On a GPU every copy to or from vLLM's blocks runs on the
+connector's own CUDA stream, ordered after vLLM's forward stream by an event
+recorded when the step hands the work over. Prefix identity is kvc's chain hash
+over token ids, the same in every process: vLLM's block boundaries are mapped
+onto kvc chunks here.
 
 Tensor parallelism: each rank loads and saves its own kv heads as a kvc shard; the
 scheduler offers a prefix only when every rank's shard holds it, and saves a finished
@@ -38,6 +47,7 @@ standard view); any other shape is refused with an error naming it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -45,6 +55,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +82,7 @@ from restore.errors import InputError, UnsupportedModelError
 from restore.pages import check_payload, check_range, check_span, payload_shape
 from restore.restore import Restorer
 from restore.session import Session
+from restore.staging import StagedKV
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -86,6 +98,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
     from restore.checkpoint import CheckpointResult
@@ -94,16 +107,20 @@ __all__ = ["KvcConnector", "KvcConnectorMetadata", "vllm_fingerprint"]
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class LoadSpec:
     """Restore positions `[start, end)` into `block_ids` (the request's table); `token_ids` are the
-    prompt's first `end + 1` (a kvc lookup restores at most all but the last token it is given)."""
+    prompt's first `end + 1` (a kvc lookup restores at most all but the last token it is given).
+    `load_async`: run beside the forward passes and report completion through `get_finished`;
+    otherwise finish before this step's forward."""
 
     req_id: str
     token_ids: tuple[int, ...]
     block_ids: tuple[int, ...]
     start: int
     end: int
+    load_async: bool = True
 
 
 @dataclass(frozen=True)
@@ -117,10 +134,12 @@ class SaveSpec:
 
 @dataclass
 class KvcConnectorMetadata(KVConnectorMetadata):
-    """What the workers do this step: restores before the forward, saves after it."""
+    """What the workers do this step: loads to start, saves to stage after the forward, and the
+    requests whose asynchronous load to stop (aborted while loading)."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
 
 
 def skip_reason(request: Request) -> str | None:
@@ -164,7 +183,9 @@ def vllm_layout(vllm_config: VllmConfig) -> AttentionLayout:
     if vllm_config.parallel_config.pipeline_parallel_size != 1:
         raise UnsupportedModelError("pipeline parallelism is not supported by the kvc connector")
     cache_dtype = vllm_config.cache_config.cache_dtype
-    dtype = model.dtype if cache_dtype in (None, "auto") else getattr(torch, cache_dtype, cache_dtype)
+    dtype = (
+        model.dtype if cache_dtype in (None, "auto") else getattr(torch, cache_dtype, cache_dtype)
+    )
     if dtype not in DTYPES:
         raise UnsupportedModelError(
             f"KV cache dtype {dtype}: kvc stores float32, float16 and bfloat16 KV exactly "
@@ -232,8 +253,13 @@ def vllm_fingerprint(vllm_config: VllmConfig, weights_id: str | None = None) -> 
 
 class BlockTable:
     """One request's blocks of vLLM's per-layer KV tensors as kvc's two seams: the `Destination`
-    a restore writes (positions before `start` left alone) and the `KVSnapshot` a save reads
+    a restore writes (positions before `start` left alone) and the `KVSnapshot` a save stages
     (an `InPlaceSnapshot`: CPU blocks are scanned and copied out in place).
+
+    Device blocks are written and read on `stream` (the connector's CUDA stream), each copy
+    ordered after `after`, an event recorded on vLLM's forward stream when the step handed the
+    work over (so a load never races the zeroing or the last writes of its blocks, and a save
+    reads what the forward wrote). `finish` records the end of this table's copies.
 
     `abort` and a `commit` of fewer positions leave what was written in the request's blocks:
     vLLM allocated them for this load, reads only the positions `restored` reports, and
@@ -248,6 +274,8 @@ class BlockTable:
         *,
         start: int = 0,
         length: int = 0,
+        stream: torch.cuda.Stream | None = None,
+        after: torch.cuda.Event | None = None,
     ) -> None:
         self._layers = layers  # each [blocks, 2, block size, heads, head size] (a view)
         self._layout = layout
@@ -256,6 +284,13 @@ class BlockTable:
         self._start = start
         self._length = length
         self._reserved = 0
+        self._on_device = layers[0].device.type != "cpu"
+        if self._on_device and stream is None:
+            raise InputError(
+                "vLLM's KV cache is on a device: its copies need the connector's stream"
+            )
+        self._stream = stream
+        self._after = after
         self.restored = 0
 
     @property
@@ -275,6 +310,24 @@ class BlockTable:
             yield self._blocks[idx], off, take, p - start
             p += take
 
+    def _copy_stream(self) -> torch.cuda.Stream:
+        """The connector's stream, after everything vLLM's forward stream had enqueued when
+        the step handed this work over."""
+        assert self._stream is not None
+        if self._after is not None:
+            self._stream.wait_event(self._after)
+        return self._stream
+
+    def finish(self) -> torch.cuda.Event | None:
+        """An event recorded after every copy this table enqueued on the stream (None for CPU
+        blocks, whose copies are done when they return)."""
+        if not self._on_device:
+            return None
+        assert self._stream is not None
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record(self._stream)
+        return done
+
     # Destination
     def reserve(self, tokens: int) -> None:
         if math.ceil(tokens / self._block_size) > len(self._blocks):
@@ -290,18 +343,23 @@ class BlockTable:
         lo = max(start, self._start)
         if lo >= start + count:
             return  # vLLM computed these positions itself
-        part: np.ndarray[Any, Any] | torch.Tensor = kv[:, :, lo - start : count]
-        layers: list[Any]  # numpy views of CPU tensors, or the device tensors
-        if self._layers[0].device.type == "cpu":
+        part = kv[:, :, lo - start : count]
+        if not self._on_device:
             layers = [numpy_view(t) for t in self._layers]  # the one copy, from the blob
-        else:  # staged once in pinned memory, then block by block on the device
-            staged = torch.empty(part.shape, dtype=torch_dtype(self._layout.dtype), pin_memory=True)
-            numpy_view(staged)[...] = part
-            part = staged.to(self._layers[0].device, non_blocking=True)
-            layers = self._layers
-        for block, off, take, s in self._spans(lo, start + count):
-            for layer, dst in enumerate(layers):
-                dst[block, :, off : off + take] = part[layer, :, s : s + take]
+            for block, off, take, s in self._spans(lo, start + count):
+                for layer, dst in enumerate(layers):
+                    dst[block, :, off : off + take] = part[layer, :, s : s + take]
+            return
+        # Through pinned host memory, then block by block on the connector's stream (the
+        # caching host allocator keeps the pinned buffer until the stream has read it).
+        staged = torch.empty(part.shape, dtype=torch_dtype(self._layout.dtype), pin_memory=True)
+        numpy_view(staged)[...] = part
+        stream = self._copy_stream()
+        with torch.cuda.stream(stream):
+            on_device = staged.to(self._layers[0].device, non_blocking=True)
+            for block, off, take, s in self._spans(lo, start + count):
+                for layer, blocks in enumerate(self._layers):
+                    blocks[block, :, off : off + take] = on_device[layer, :, s : s + take]
 
     def commit(self, tokens: int) -> None:
         self.restored = tokens
@@ -311,28 +369,19 @@ class BlockTable:
         self.restored = 0
         self._reserved = 0
 
-    # KVSnapshot
+    # KVSnapshot (CPU blocks; device blocks are staged whole by `stage`)
     def read_kv(self, start: int, end: int) -> np.ndarray[Any, Any]:
         start, end = check_range(start, end, self._length)
-        if self._layers[0].device.type == "cpu":
-            out = np.empty(payload_shape(self._layout, end - start), dtype=self._layout.numpy_dtype)
-            self.read_kv_into(out, start, end)
-            return out
-        staged = torch.empty(
-            payload_shape(self._layout, end - start), dtype=torch_dtype(self._layout.dtype)
-        )
-        for block, off, take, s in self._spans(start, end):
-            for layer, src in enumerate(self._layers):
-                staged[layer, :, s : s + take].copy_(src[block, :, off : off + take])
-        return numpy_view(staged)
+        out = np.empty(payload_shape(self._layout, end - start), dtype=self._layout.numpy_dtype)
+        self.read_kv_into(out, start, end)
+        return out
 
     def read_kv_into(self, out: np.ndarray[Any, Any], start: int, end: int) -> None:
-        """Copy positions `[start, end)` into `out` (`[L, 2, end - start, H, D]`, a record's
-        payload): from CPU blocks the one copy a save makes; device blocks come through host."""
+        """Copy positions `[start, end)` into `out` (`[L, 2, end - start, H, D]`)."""
         start, end = check_range(start, end, self._length)
         check_payload(self._layout, out, end - start, what="out", exact=True)
-        if self._layers[0].device.type != "cpu":
-            out[...] = self.read_kv(start, end)
+        if self._on_device:
+            out[...] = self._staged_now(start, end).kv
             return
         layers = [numpy_view(t) for t in self._layers]
         for block, off, take, s in self._spans(start, end):
@@ -342,13 +391,47 @@ class BlockTable:
     def check_finite(self, start: int, end: int) -> None:
         """Raise ValueError if positions `[start, end)` hold a NaN or an Inf (CPU blocks read in place)."""
         start, end = check_range(start, end, self._length)
-        if self._layers[0].device.type != "cpu":
-            check_finite(self.read_kv(start, end), self._layout.dtype)
+        if self._on_device:
+            self._staged_now(start, end).check_finite(0, end - start)
             return
         layers = [numpy_view(t) for t in self._layers]
         for block, off, take, _s in self._spans(start, end):
             for src in layers:
                 check_finite(src[block, :, off : off + take], self._layout.dtype)
+
+    def stage(
+        self, start: int = 0, end: int | None = None
+    ) -> tuple[StagedKV, torch.cuda.Event | None]:
+        """Positions `[start, end)` (default: all `length`) copied once to host memory, and the
+        event after which the copy is complete (None: complete already). CPU blocks are copied
+        here; device blocks are gathered on the connector's stream into pinned memory, and
+        the event is recorded after that copy (nothing waits for it here)."""
+        start, end = check_range(start, end, self._length)
+        if not self._on_device:
+            staged = StagedKV.empty(self._layout, end - start)
+            self.read_kv_into(staged.kv, start, end)
+            return staged, None
+        host = torch.empty(
+            payload_shape(self._layout, end - start),
+            dtype=torch_dtype(self._layout.dtype),
+            pin_memory=True,
+        )
+        first, last = start // self._block_size, -(-end // self._block_size)
+        skip = start - first * self._block_size
+        stream = self._copy_stream()
+        with torch.cuda.stream(stream):
+            index = torch.tensor(self._blocks[first:last], device=self._layers[0].device)
+            for layer, src in enumerate(self._layers):
+                blocks = src.index_select(0, index)  # [n blocks, 2, block size, H, D]
+                rows = blocks.transpose(0, 1).reshape(2, -1, *blocks.shape[3:])
+                host[layer].copy_(rows[:, skip : skip + end - start], non_blocking=True)
+        return StagedKV(self._layout, numpy_view(host)), self.finish()
+
+    def _staged_now(self, start: int, end: int) -> StagedKV:
+        staged, done = self.stage(start, end)
+        if done is not None:
+            done.synchronize()
+        return staged
 
     def blocks_from(self, position: int, end: int) -> set[int]:
         """The blocks holding positions `[position, end)`."""
@@ -356,7 +439,10 @@ class BlockTable:
 
 
 def layer_views(
-    kv_caches: dict[str, torch.Tensor], layer_names: list[str], shard_layout: AttentionLayout, block_size: int
+    kv_caches: dict[str, torch.Tensor],
+    layer_names: list[str],
+    shard_layout: AttentionLayout,
+    block_size: int,
 ) -> list[torch.Tensor]:
     """vLLM's per-layer tensors, in layer order, as `[blocks, 2, block size, heads, head size]` views.
 
@@ -397,7 +483,9 @@ class KvcConnector(KVConnectorBase_V1):
         chunk_size = int(extra.get("chunk_size", 256))
         stores = _config_get(extra, "stores")
         if isinstance(stores, str) or not stores:
-            raise InputError("kv_connector_extra_config 'stores' must be a non-empty list of store URLs")
+            raise InputError(
+                "kv_connector_extra_config 'stores' must be a non-empty list of store URLs"
+            )
         check_full_attention(kv_cache_config)
         if self._kv_transfer_config.kv_load_failure_policy != "recompute":
             log.warning(
@@ -414,18 +502,36 @@ class KvcConnector(KVConnectorBase_V1):
         # The scheduler offers and skips saves by what every rank has stored.
         self._shards = tuple(rank_shard(self.layout, r, world) for r in range(world))
         catalog_url = str(_config_get(extra, "catalog"))
+        # Loads run beside the forward passes (vLLM's asynchronous loads) unless told not to.
+        self._load_async = extra.get("load_async", True)
+        if not isinstance(self._load_async, bool):
+            raise InputError(
+                f"kv_connector_extra_config 'load_async' must be true or false, got {self._load_async!r}"
+            )
+        load_threads = extra.get("load_threads", 2)
+        if isinstance(load_threads, bool) or not isinstance(load_threads, int) or load_threads < 1:
+            raise InputError(
+                f"kv_connector_extra_config 'load_threads' must be an integer >= 1, got {load_threads!r}"
+            )
         # Scheduler state.
         self._offered: dict[str, tuple[int, int]] = {}  # req id -> (computed, end) offered
-        # req id -> (start, end, the prompt's first end + 1 token ids) after alloc
-        self._loads: dict[str, tuple[int, int, tuple[int, ...]]] = {}
+        self._loads: dict[str, LoadSpec] = {}  # allocated, for the next metadata
+        self._loading: dict[str, frozenset[int]] = {}  # async loads sent, not yet received: blocks
+        self._load_failed: set[str] = set()  # requests whose async load lost blocks: never again
+        self._cancels: list[str] = []  # async loads of requests that finished (aborted) meanwhile
         self._saves: list[SaveSpec] = []
         # Requests kvc does not share (see `skip_reason`), counted once each by reason.
         self.skipped: Counter[str] = Counter()
         self._skipping: set[str] = set()
         # Worker state.
         self._layers: list[torch.Tensor] = []
+        self._stream: torch.cuda.Stream | None = None  # copies to and from device blocks
         self._load_errors: set[int] = set()
-        self._saved: set[str] = set()
+        self._cancel: dict[str, threading.Event] = {}  # async loads queued or running
+        self._received: set[str] = set()  # async loads done (or stopped), to report
+        self._staging: list[tuple[SaveSpec, StagedKV, torch.cuda.Event | None]] = []
+        self._saved: set[str] = set()  # saves whose blocks may be freed, to report
+        self._loader: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         # What this process counted since vLLM last collected it (get_kv_connector_stats).
         self._stats = KvcConnectorStats()
@@ -447,6 +553,7 @@ class KvcConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.WORKER:
             self.restorer = self.session.restorer
             self.checkpointer = self.session.checkpointer
+            self._loader = ThreadPoolExecutor(load_threads, thread_name_prefix="kvc-vllm-load")
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -465,8 +572,11 @@ class KvcConnector(KVConnectorBase_V1):
             self.skipped[reason] += 1
             with self._lock:
                 self._stats.record_skip(reason)
-            log.debug("kvc skips request %s (%s): vLLM keys its KV on more than token ids",
-                      request.request_id, reason)
+            log.debug(
+                "kvc skips request %s (%s): vLLM keys its KV on more than token ids",
+                request.request_id,
+                reason,
+            )
         return True
 
     def _stored_by_every_rank(self, tokens: list[int], limit: int, need: int) -> int:
@@ -486,7 +596,7 @@ class KvcConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        if self._skip(request):
+        if self._skip(request) or request.request_id in self._load_failed:
             return 0, False
         tokens = request.prompt_token_ids or []
         limit = len(tokens) - 1  # vLLM computes at least the last prompt token
@@ -503,41 +613,59 @@ class KvcConnector(KVConnectorBase_V1):
         if end <= num_computed_tokens:
             return 0, False
         self._offered[request.request_id] = (num_computed_tokens, end)
-        return end - num_computed_tokens, False
+        return end - num_computed_tokens, self._load_async
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
+        """Remember the load vLLM allocated blocks for, with the request's whole block table
+        as it is now (for a new request and for a preempted one vLLM resumes alike; an
+        asynchronous load's request is not scheduled this step, so this is the only place
+        its blocks are known). A second call after an asynchronous load (for the blocks of
+        the tokens vLLM computes next) carries no external tokens and changes nothing."""
         offered = self._offered.pop(request.request_id, None)
-        if num_external_tokens > 0 and offered is not None:
-            computed, _end = offered
-            end = computed + num_external_tokens
-            tokens = tuple((request.prompt_token_ids or [])[: end + 1])
-            self._loads[request.request_id] = (computed, end, tokens)
-            with self._lock:
-                self._stats.record_hit(num_external_tokens)
+        if num_external_tokens <= 0 or offered is None:
+            return
+        computed, _end = offered
+        end = computed + num_external_tokens
+        self._loads[request.request_id] = LoadSpec(
+            request.request_id,
+            tuple((request.prompt_token_ids or [])[: end + 1]),
+            tuple(blocks.get_block_ids()[0]),
+            computed,
+            end,
+            self._load_async,
+        )
+        with self._lock:
+            self._stats.record_hit(num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvcConnectorMetadata:
-        """The step's saves, and a load for every request `update_state_after_alloc` gave one:
-        new requests, and preempted requests vLLM resumes (`scheduled_cached_reqs`, in
-        `resumed_req_ids`, whose `new_block_ids` are the whole block table)."""
-        meta = KvcConnectorMetadata(saves=self._saves)
-        self._saves = []
-        tables: dict[str, list[int]] = {
-            new.req_id: list(new.block_ids[0]) for new in scheduler_output.scheduled_new_reqs
-        }
-        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
-        if cached is not None:
-            for req_id, block_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
-                if req_id in cached.resumed_req_ids and block_ids is not None:
-                    tables[req_id] = list(block_ids[0])
-        for req_id, table in tables.items():
-            span = self._loads.pop(req_id, None)
-            if span is None:
-                continue
-            start, end, tokens = span
-            meta.loads.append(LoadSpec(req_id, tokens, tuple(table), start, end))
+        """The step's loads (every one `update_state_after_alloc` recorded since the last
+        step), the saves of requests that finished, and the loads to stop."""
+        meta = KvcConnectorMetadata(
+            loads=list(self._loads.values()), saves=self._saves, cancels=self._cancels
+        )
+        self._loads, self._saves, self._cancels = {}, [], []
+        for load in meta.loads:
+            if load.load_async:
+                first = load.start // self._block_size
+                self._loading[load.req_id] = frozenset(
+                    load.block_ids[first : -(-load.end // self._block_size)]
+                )
         return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Note which asynchronous loads lost blocks (vLLM recomputes them), so such a request
+        is never offered a load again (a load that failed at its first block would otherwise
+        be offered, and fail, again when vLLM reschedules it from scratch), and forget the
+        loads the workers have finished."""
+        invalid = connector_output.invalid_block_ids
+        if invalid:
+            self._load_failed.update(
+                req_id for req_id, blocks in self._loading.items() if blocks & invalid
+            )
+        for req_id in connector_output.finished_recving or ():
+            self._loading.pop(req_id, None)
 
     def request_finished(
         self, request: Request, block_ids: list[int]
@@ -545,13 +673,20 @@ class KvcConnector(KVConnectorBase_V1):
         """Save the request's computed positions (whole vLLM blocks) unless the catalog has them
         for every tensor-parallel rank (every rank gets the save: one whose shard is missing
         stores it, the others' checkpointers skip what is catalogued); the blocks stay
-        allocated until the workers report the save has read them. Only positions
-        a finished step wrote count (`written_tokens`), in whole blocks: a block still being
-        written is never saved."""
-        self._offered.pop(request.request_id, None)
-        self._loads.pop(request.request_id, None)
+        allocated until the workers report the save has copied them to host memory. Only
+        positions a finished step wrote count (`written_tokens`), in whole blocks: a block
+        still being written is never saved. A request that finishes (is aborted) while its
+        asynchronous load runs is not saved: the workers stop the load, and vLLM frees its
+        blocks, never cached, once they report it received."""
+        req_id = request.request_id
+        self._offered.pop(req_id, None)
+        self._load_failed.discard(req_id)
         skip = self._skip(request)
-        self._skipping.discard(request.request_id)
+        self._skipping.discard(req_id)
+        self._loads.pop(req_id, None)
+        if req_id in self._loading:
+            self._cancels.append(req_id)
+            return False, None
         if skip:
             return False, None
         tokens = list(request.all_token_ids)
@@ -561,12 +696,12 @@ class KvcConnector(KVConnectorBase_V1):
         try:
             stored = self._stored_by_every_rank(tokens[: n + 1], n, n)
         except Exception as exc:
-            log.warning("kvc lookup for request %s failed: %s", request.request_id, exc)
+            log.warning("kvc lookup for request %s failed: %s", req_id, exc)
             return False, None
         if stored >= n:
             return False, None
         self._saves.append(
-            SaveSpec(request.request_id, tuple(tokens[:n]), tuple(block_ids[: n // self._block_size]))
+            SaveSpec(req_id, tuple(tokens[:n]), tuple(block_ids[: n // self._block_size]))
         )
         return True, None
 
@@ -586,70 +721,194 @@ class KvcConnector(KVConnectorBase_V1):
             self.layout.dtype,
         )
         self._shard_layout = shard_layout
-        self._layers = layer_views(kv_caches, names, shard_layout, self._block_size)
+        layers = layer_views(kv_caches, names, shard_layout, self._block_size)
+        device = layers[0].device
+        if device.type == "cuda":
+            # The connector's copies, off vLLM's stream.
+            self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        elif device.type != "cpu":
+            raise UnsupportedModelError(
+                f"vLLM's KV cache is on {device}: the kvc connector copies to and from CPU and "
+                "CUDA devices"
+            )
+        self._layers = layers
 
-    def _table(self, block_ids: Iterable[int], *, start: int = 0, length: int = 0) -> BlockTable:
+    def _table(
+        self,
+        block_ids: Iterable[int],
+        *,
+        start: int = 0,
+        length: int = 0,
+        after: torch.cuda.Event | None = None,
+    ) -> BlockTable:
         if not self._layers:
             raise InputError("register_kv_caches must run before loads and saves")
         return BlockTable(
-            self._layers, self._shard_layout, self._block_size, block_ids, start=start, length=length
+            self._layers,
+            self._shard_layout,
+            self._block_size,
+            block_ids,
+            start=start,
+            length=length,
+            stream=self._stream,
+            after=after,
         )
 
+    def _forward_mark(self) -> torch.cuda.Event | None:
+        """An event recorded now on vLLM's forward stream (the calling thread's current stream):
+        copies on the connector's stream that wait on it come after everything the forward
+        has enqueued so far. None for CPU blocks."""
+        if self._stream is None:
+            return None
+        mark = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        mark.record(torch.cuda.current_stream(self._layers[0].device))
+        return mark
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        """Stop the loads of requests vLLM aborted, then start this step's loads: an
+        asynchronous one on the load threads (vLLM calls this after launching the forward,
+        which does not read its blocks), a synchronous one here, before the forward."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvcConnectorMetadata)
-        assert self.restorer is not None
+        assert self._loader is not None
+        with self._lock:
+            for req_id in meta.cancels:
+                cancel = self._cancel.get(req_id)
+                if cancel is not None:
+                    cancel.set()
+        if not meta.loads:
+            return
+        after = self._forward_mark()
         for load in meta.loads:
-            table = self._table(load.block_ids, start=load.start)
-            t0 = time.perf_counter()
-            nbytes = 0
-            try:
-                result = self.restorer.restore_into(
-                    table, list(load.token_ids), self.fingerprint, self.shard, max_tokens=load.end
-                )
-                nbytes = result.report.bytes
-            except Exception as exc:  # any failure: vLLM recomputes, never reads unverified KV
-                log.warning("kvc restore for request %s failed: %s", load.req_id, exc)
-                table.restored = 0
+            if not load.load_async:
+                done = self._load(load, after, None)
+                if done is not None:  # the forward reads these blocks: it waits for the copies
+                    torch.cuda.current_stream(self._layers[0].device).wait_event(done)
+                continue
+            cancel = threading.Event()
             with self._lock:
-                self._stats.record_load(
-                    tokens=max(0, table.restored - load.start),
-                    nbytes=nbytes,
-                    seconds=time.perf_counter() - t0,
-                    complete=table.restored >= load.end,
-                )
-                if table.restored < load.end:
-                    self._load_errors |= table.blocks_from(max(table.restored, load.start), load.end)
+                self._cancel[load.req_id] = cancel
+            self._loader.submit(self._load_async_request, load, after, cancel)
+
+    def _load_async_request(
+        self, load: LoadSpec, after: torch.cuda.Event | None, cancel: threading.Event
+    ) -> None:
+        """An asynchronous load, on a load thread: done (its copies landed, or it stopped)
+        before it is reported received, whatever happens."""
+        # A new thread starts on device 0: copies go to the device of this rank's blocks.
+        on_device: contextlib.AbstractContextManager[Any] = (
+            torch.cuda.device(self._stream.device)
+            if self._stream is not None
+            else contextlib.nullcontext()
+        )
+        try:
+            with on_device:
+                if not cancel.is_set():  # aborted before it started: nothing to stop
+                    done = self._load(load, after, cancel)
+                    if done is not None:
+                        done.synchronize()
+        finally:
+            with self._lock:
+                self._cancel.pop(load.req_id, None)
+                self._received.add(load.req_id)
+
+    def _load(
+        self, load: LoadSpec, after: torch.cuda.Event | None, cancel: threading.Event | None
+    ) -> torch.cuda.Event | None:
+        """Restore one load's positions into its blocks; the blocks of positions not restored
+        are load errors, except for a load stopped because vLLM aborted its request (its
+        blocks are freed, never read). Returns the event after its device copies."""
+        assert self.restorer is not None
+        table = self._table(load.block_ids, start=load.start, after=after)
+        t0 = time.perf_counter()
+        nbytes = 0
+        try:
+            result = self.restorer.restore_into(
+                table,
+                list(load.token_ids),
+                self.fingerprint,
+                self.shard,
+                max_tokens=load.end,
+                cancel=cancel,
+            )
+            nbytes = result.report.bytes
+        except Exception as exc:  # any failure: vLLM recomputes, never reads unverified KV
+            if cancel is None or not cancel.is_set():
+                log.warning("kvc restore for request %s failed: %s", load.req_id, exc)
+            table.restored = 0
+        done = table.finish()
+        with self._lock:
+            if cancel is not None and cancel.is_set():
+                return done
+            self._stats.record_load(
+                tokens=max(0, table.restored - load.start),
+                nbytes=nbytes,
+                seconds=time.perf_counter() - t0,
+                complete=table.restored >= load.end,
+            )
+            if table.restored < load.end:
+                self._load_errors |= table.blocks_from(max(table.restored, load.start), load.end)
+        return done
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv finishes every load before the forward
+        return  # a load is whole before its request's forward (see docs/engines.md)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return  # saves read the finished request's blocks (wait_for_save)
+        return  # saves copy the finished request's blocks (wait_for_save)
 
     def wait_for_save(self) -> None:
+        """Copy each finished request's positions to host memory once (on a device: enqueued
+        on the connector's stream after this step's forward); a save whose copy has landed
+        releases its blocks and goes to the checkpointer, which publishes it on its thread."""
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvcConnectorMetadata)
+        if meta.saves:
+            after = self._forward_mark()
+            for save in meta.saves:
+                table = self._table(save.block_ids, length=len(save.token_ids), after=after)
+                try:
+                    staged, done = table.stage()
+                except Exception as exc:  # a save not made is a future miss
+                    log.warning(
+                        "kvc could not copy request %s's KV to host memory: %s", save.req_id, exc
+                    )
+                    with self._lock:
+                        self._stats.record_save(None)
+                        self._saved.add(save.req_id)
+                    continue
+                self._staging.append((save, staged, done))
+        self._publish_staged()
+
+    def _publish_staged(self) -> None:
+        """Saves whose host copy is complete: blocks released (reported finished sending at
+        this step's `get_finished`), the copy handed to the checkpointer. Runs on the model
+        runner's thread only (wait_for_save, get_finished)."""
+        waiting: list[tuple[SaveSpec, StagedKV, torch.cuda.Event | None]] = []
+        for save, staged, done in self._staging:
+            if done is not None and not done.query():  # type: ignore[no-untyped-call]
+                waiting.append((save, staged, done))
+                continue
+            with self._lock:
+                self._saved.add(save.req_id)
+            self._publish(save, staged)
+        self._staging = waiting
+
+    def _publish(self, save: SaveSpec, staged: StagedKV) -> None:
         assert self.checkpointer is not None
-        for save in meta.saves:
-            table = self._table(save.block_ids, length=len(save.token_ids))
-            try:
-                published = self.checkpointer.submit_snapshot(
-                    table,
-                    list(save.token_ids),
-                    self.fingerprint,
-                    release=functools.partial(self._mark_saved, save.req_id),
-                )
-            except Exception as exc:  # a refused save is a future miss
-                log.warning("kvc save of request %s refused: %s", save.req_id, exc)
-                published = None
-            if published is None:  # refused, or dropped by a full checkpoint queue
-                with self._lock:
-                    self._stats.record_save(None)
-            else:
-                published.add_done_callback(functools.partial(self._count_save, save.req_id))
+        try:
+            published = self.checkpointer.submit_snapshot(
+                staged, list(save.token_ids), self.fingerprint
+            )
+        except Exception as exc:  # a refused save is a future miss
+            log.warning("kvc save of request %s refused: %s", save.req_id, exc)
+            published = None
+        if published is None:  # refused, or dropped by a full checkpoint queue
+            with self._lock:
+                self._stats.record_save(None)
+        else:
+            published.add_done_callback(functools.partial(self._count_save, save.req_id))
 
     def _count_save(self, req_id: str, published: Future[CheckpointResult]) -> None:
         """Count a background save once it is published, or failed (on the checkpointer's thread)."""
@@ -659,14 +918,15 @@ class KvcConnector(KVConnectorBase_V1):
         with self._lock:
             self._stats.record_save(None if exc is not None else published.result().stored_bytes)
 
-    def _mark_saved(self, req_id: str) -> None:
-        with self._lock:
-            self._saved.add(req_id)
-
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(saves whose blocks may be freed, asynchronous loads done or stopped) since the last
+        call. A load's failed blocks are in `get_block_ids_with_load_errors` by the time its
+        request is reported here (both are recorded together)."""
+        self._publish_staged()
         with self._lock:
-            done, self._saved = self._saved, set()
-        return (done or None), None
+            saved, self._saved = self._saved, set()
+            received, self._received = self._received, set()
+        return (saved or None), (received or None)
 
     def get_kv_connector_stats(self) -> KvcConnectorStats | None:
         """What this process counted since the last call (vLLM calls it every step, on the
@@ -678,7 +938,9 @@ class KvcConnector(KVConnectorBase_V1):
         return stats
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
         return KvcConnectorStats(data=dict(data or {}))
 
     @classmethod
@@ -697,6 +959,18 @@ class KvcConnector(KVConnectorBase_V1):
         return errors
 
     def shutdown(self) -> None:
+        """Stop every load (each stops at its next chunk), wait for the load threads and for
+        host copies still in flight, publish what was staged, then close the session (which
+        drains the checkpointer)."""
+        with self._lock:
+            for cancel in self._cancel.values():
+                cancel.set()
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
+        for _save, _staged, done in self._staging:
+            if done is not None:
+                done.synchronize()
+        self._publish_staged()
         self.session.close()
 
 
@@ -706,4 +980,3 @@ def _layer_index(name: str) -> int:
     if len(numbers) != 1:
         raise UnsupportedModelError(f"cannot tell the layer index of vLLM layer {name!r}")
     return numbers[0]
-

@@ -10,10 +10,13 @@ a checkpoint reads the cache's tensors in place (a GPU cache is copied once to
 pinned host memory).
 
 Only caches kvc can represent exactly are accepted: every layer a full-
-attention `DynamicLayer`, one sequence, K and V of one head dim, a float32,
-float16 or bfloat16 model on one device. Anything else (sliding-window or
-hybrid layers, quantized, static or offloaded caches, encoder-decoder models)
-is refused by name with `UnsupportedModelError`.
+attention `DynamicLayer` or a `DynamicSlidingWindowLayer` that still holds
+every position (fewer tokens than its window; a restore rebuilds the window as
+transformers' own update leaves it), one sequence, K and V of one head dim, a
+float32, float16 or bfloat16 model on one device. Anything else (a sliding
+window that has dropped positions, linear-attention, convolution or hybrid
+layers, quantized, static or offloaded caches, encoder-decoder models) is
+refused by name with `UnsupportedModelError`.
 
 This package holds every module of the core that imports torch and transformers:
 `identity` (what is accepted, the fingerprint), `cache` (the two seams over

@@ -12,12 +12,12 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from catalog import AttentionLayout
 from catalog.models import Shard
 from chunkstore.record import check_finite
-from restore.engines.hf.identity import full_attention_layers
+from restore.engines.hf.identity import attention_layers, check_window
 from restore.engines.torch_kv import numpy_view, torch_dtype
 from restore.errors import InputError, UnsupportedModelError
 from restore.pages import check_payload, check_range, check_span, payload_shape
@@ -49,6 +49,7 @@ class CacheSnapshot:
         for i, layer in enumerate(layers):
             if not layer.is_initialized or layer.keys is None or layer.values is None:
                 raise InputError(f"cache layer {shard.layer_lo + i} holds no KV")
+            check_window(layer, shard.layer_lo + i)
             k, v = layer.keys.detach(), layer.values.detach()
             for name, t in (("keys", k), ("values", v)):
                 got = (t.shape[0], t.shape[1], t.shape[3]) if t.dim() == 4 else tuple(t.shape)
@@ -210,7 +211,8 @@ class CacheBuilder:
 
     Building a DynamicCache from the config (layer types from the config, then a lazy
     initialisation per layer) costs more than a small restore's copy; copying the empty
-    one costs a few microseconds per layer. Only full-attention `DynamicLayer`s are accepted.
+    one costs a few microseconds per layer. Only layers that keep per-position KV are accepted
+    (`attention_layers`).
     """
 
     def __init__(
@@ -225,7 +227,7 @@ class CacheBuilder:
         self.shard = shard
         self.buffers = buffers
         self._empty = DynamicCache(config=model.config)
-        layers = full_attention_layers(self._empty)
+        layers = attention_layers(self._empty)
         # The slab's layers as transformers initialises them (dtype, device, and whatever
         # else), so a restored layer is a copy of one with its keys and values set.
         nothing = torch.empty(
@@ -250,7 +252,13 @@ class CacheBuilder:
         lo = self.shard.layer_lo
         for i, ready in enumerate(self._ready):
             layer = _copy(ready)
-            layer.keys, layer.values = views[2 * i], views[2 * i + 1]
+            start = 0
+            if isinstance(layer, DynamicSlidingWindowLayer):
+                # What the layer's own `update` leaves after `tokens` positions: the last
+                # `sliding_window - 1` of them, and the count of every position it has seen.
+                start = max(tokens - (layer.sliding_window - 1), 0)
+                layer.cumulative_length = tokens
+            layer.keys, layer.values = views[2 * i][:, :, start:], views[2 * i + 1][:, :, start:]
             cache.layers[lo + i] = layer
         return cache
 

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 import transformers
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from catalog import AttentionLayout, Fingerprint
 from catalog.identity import canonical_json, token_array
@@ -45,16 +45,20 @@ def check_supported(model: PreTrainedModel) -> None:
         )
     if model.device.type == "meta":
         raise UnsupportedModelError(f"{name} has weights on the meta device (not loaded)")
-    layers = full_attention_layers(DynamicCache(config=model.config), name)
-    if len(layers) != text_config(model).num_hidden_layers:
+    cfg = text_config(model)
+    owner = f"{name} (model_type {getattr(cfg, 'model_type', None) or '?'})"
+    layers = attention_layers(
+        DynamicCache(config=model.config), owner, getattr(cfg, "layer_types", None)
+    )
+    if len(layers) != cfg.num_hidden_layers:
         raise UnsupportedModelError(
-            f"{name} caches {len(layers)} layers for {text_config(model).num_hidden_layers} "
+            f"{name} caches {len(layers)} layers for {cfg.num_hidden_layers} "
             "hidden layers (shared or missing KV layers are not supported)"
         )
 
 
 def check_cache(cache: object) -> list[DynamicLayer]:
-    """The layers of a `DynamicCache` of full-attention layers, or `UnsupportedModelError` naming it."""
+    """The layers of a `DynamicCache` of per-position KV layers, or `UnsupportedModelError` naming it."""
     if isinstance(cache, tuple | list):
         raise UnsupportedModelError(
             "legacy tuple caches are not supported: pass the DynamicCache the model returned"
@@ -66,25 +70,53 @@ def check_cache(cache: object) -> list[DynamicLayer]:
         )
     if getattr(cache, "offloading", False):
         raise UnsupportedModelError("an offloaded DynamicCache is not supported")
-    return full_attention_layers(cache)
+    return attention_layers(cache)
 
 
-def full_attention_layers(cache: DynamicCache, owner: str = "the cache") -> list[DynamicLayer]:
-    """The cache's layers, if every one is a full-attention `DynamicLayer` (transformers builds
-    other kinds for sliding-window, chunked, linear-attention and hybrid layers)."""
+# The cache layers that hold K and V per position: full attention keeps every position; a
+# sliding-window (or chunked) layer keeps the last `sliding_window - 1`, so it holds every
+# position until the sequence reaches its window.
+KV_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
+
+
+def attention_layers(
+    cache: DynamicCache, owner: str = "the cache", layer_types: list[str] | None = None
+) -> list[DynamicLayer]:
+    """The cache's layers, if every one keeps per-position K and V (a `DynamicLayer` or a
+    `DynamicSlidingWindowLayer`); transformers builds other kinds for linear-attention,
+    convolution, hybrid and indexed layers, whose state kvc cannot restore exactly."""
     odd = {
         i: type(layer).__name__
         for i, layer in enumerate(cache.layers)
-        if type(layer) is not DynamicLayer
+        if type(layer) not in KV_LAYERS
     }
     if odd:
-        listed = ", ".join(f"{i}: {k}" for i, k in list(odd.items())[:6])
+        kinds = layer_types or []
+        listed = ", ".join(
+            f"{i}: {kinds[i]!r} ({k})" if i < len(kinds) else f"{i}: {k}"
+            for i, k in list(odd.items())[:6]
+        )
         raise UnsupportedModelError(
-            f"{owner} has layers that are not full attention ({listed}"
-            f"{', ...' if len(odd) > 6 else ''}): sliding-window, chunked, linear or hybrid "
-            "layers keep a KV that kvc cannot restore exactly"
+            f"{owner} has layers that do not keep per-position KV ({listed}"
+            f"{', ...' if len(odd) > 6 else ''}): linear-attention, convolution, hybrid and "
+            "indexed layers keep a state that kvc cannot restore exactly"
         )
     return cast(list[DynamicLayer], cache.layers)
+
+
+def check_window(layer: DynamicLayer, index: int) -> None:
+    """Raise `UnsupportedModelError` if a sliding-window layer has dropped positions: kvc stores
+    the KV of every position, and the dropped ones cannot be given back."""
+    if not isinstance(layer, DynamicSlidingWindowLayer) or layer.keys is None:
+        return
+    held, total = layer.keys.shape[-2], layer.cumulative_length
+    if held < total:
+        raise UnsupportedModelError(
+            f"cache layer {index} is a DynamicSlidingWindowLayer (sliding_window "
+            f"{layer.sliding_window}) that has dropped {total - held} of its {total} positions: "
+            f"kvc checkpoints a sliding-window cache only while it holds every position "
+            f"(fewer than {layer.sliding_window} tokens)"
+        )
 
 
 def model_layout(model: PreTrainedModel) -> AttentionLayout:
@@ -135,9 +167,7 @@ def model_fingerprint(model: PreTrainedModel, *, weights_id: str | None = None) 
     """
     check_supported(model)
     weights = (
-        f"blake3:{weights_digest(model)}"
-        if weights_id is None
-        else revision_identity(weights_id)
+        f"blake3:{weights_digest(model)}" if weights_id is None else revision_identity(weights_id)
     )
     return engine_fingerprint(
         engine="transformers",

@@ -418,24 +418,6 @@ def test_submit_checkpoints_in_the_background_while_the_cache_moves_on(
 # -- refusals: clear errors, nothing stored ----------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("model_type", "fields", "named"),
-    [
-        ("mistral", {"sliding_window": 16}, "DynamicSlidingWindowLayer"),
-        ("gemma2", {"head_dim": 16, "sliding_window": 16}, "DynamicSlidingWindowLayer"),
-    ],
-)
-def test_models_with_sliding_or_hybrid_layers_are_refused_by_name(
-    tmp_path: Path, env: Env, model_type: str, fields: dict[str, Any], named: str
-) -> None:
-    cfg = {k: v for k, v in CONFIGS["llama"].items()} | fields
-    model = load(
-        str(save_random_model(tmp_path / model_type, model_type, **cfg)), "float32", attn="eager"
-    )
-    with pytest.raises(UnsupportedModelError, match=named):
-        adapter(model, env)
-
-
 def test_encoder_decoder_and_unsupported_dtypes_are_refused(tmp_path: Path, env: Env) -> None:
     from transformers import AutoModelForSeq2SeqLM, T5Config
 
@@ -540,7 +522,9 @@ def test_cuda_offloaded_cache_is_refused(model_dirs: dict[str, str], env: Env) -
         kv.checkpoint(p, cache)
 
 
-def test_greedy_decodes_like_generate_and_leaves_the_cache_one_short(llama: PreTrainedModel) -> None:
+def test_greedy_decodes_like_generate_and_leaves_the_cache_one_short(
+    llama: PreTrainedModel,
+) -> None:
     """The demo's and benches' decoding: the same tokens as transformers' own greedy generate,
     and the cache holds every position but the last generated token's."""
     p = prompt(30)
@@ -548,7 +532,11 @@ def test_greedy_decodes_like_generate_and_leaves_the_cache_one_short(llama: PreT
     with torch.no_grad():
         want = llama.generate(torch.tensor([p]), max_new_tokens=5, do_sample=False)[0, 30:]
     assert run.tokens == want.tolist()
-    for new_tokens, held in ((0, 30), (1, 30), (3, 32)):  # decoded tokens fed back: all but the last
+    for new_tokens, held in (
+        (0, 30),
+        (1, 30),
+        (3, 32),
+    ):  # decoded tokens fed back: all but the last
         cache = llama_cache(llama)
         greedy(llama, p, cache, 0, new_tokens)
         assert cache.get_seq_length() == held, new_tokens

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import sqlite3
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,13 +38,15 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     SlidingWindowSpec,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from catalog.catalog import Catalog  # noqa: E402
 from catalog.errors import CatalogInputError  # noqa: E402
 from catalog.remote import RemoteCatalog  # noqa: E402
-from chunkstore import open_store  # noqa: E402
+from chunkstore import ChunkStore, Receipt, open_store  # noqa: E402
+from chunkstore.errors import StoreUnavailableError  # noqa: E402
 from kvc.service import create_app, hash_token  # noqa: E402
 from restore.engines.vllm import (  # noqa: E402
     KvcConnector,
@@ -54,6 +57,7 @@ from restore.engines.vllm import (  # noqa: E402
 from restore.errors import InputError, UnsupportedModelError  # noqa: E402
 from tests.rebuild_helpers import kvc_rebuild, lose_catalog, names  # noqa: E402
 from tests.services import serve_in_thread  # noqa: E402
+from tests.store_wrappers import Delegating  # noqa: E402
 
 BLOCK = 16
 LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 16
@@ -147,6 +151,19 @@ def run_step(c: KvcConnector, meta: KvcConnectorMetadata) -> None:
     c.clear_connector_metadata()
 
 
+def load_now(c: KvcConnector, *loads: LoadSpec, deadline_s: float = 20.0) -> None:
+    """Run a step with `loads` and wait until the worker reports every one received (a load
+    runs on the connector's load threads, beside the forward passes)."""
+    run_step(c, KvcConnectorMetadata(loads=list(loads)))
+    waiting = {load.req_id for load in loads if load.load_async}
+    stop = time.monotonic() + deadline_s
+    while waiting:
+        assert time.monotonic() < stop, f"loads {waiting} not received"
+        _sending, received = c.get_finished(set())
+        waiting -= received or set()
+        time.sleep(0.001)
+
+
 def save(c: KvcConnector, tokens: list[int], blocks: list[int]) -> None:
     run_step(c, KvcConnectorMetadata(saves=[SaveSpec("r-save", tuple(tokens), tuple(blocks))]))
     assert c.checkpointer is not None
@@ -186,8 +203,7 @@ def test_worker_round_trips_kv_in_vllms_layout_bit_for_bit(model_dir: Path, tmp_
     dst = kv_caches(fill=False)
     r = worker(config, dst)
     dst_blocks = list(range(40, 50))
-    load = LoadSpec("r1", (*tokens, 7), tuple(dst_blocks), 0, 160)
-    run_step(r, KvcConnectorMetadata(loads=[load]))
+    load_now(r, LoadSpec("r1", (*tokens, 7), tuple(dst_blocks), 0, 160))
     assert r.get_block_ids_with_load_errors() == set()
     for a, b in zip(positions(src, list(range(3, 13)), 160), positions(dst, dst_blocks, 160), strict=True):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
@@ -205,7 +221,7 @@ def test_positions_vllm_already_holds_are_not_written(model_dir: Path, tmp_path:
     dst = kv_caches(fill=False)
     r = worker(config, dst)
     blocks = list(range(20, 28))
-    run_step(r, KvcConnectorMetadata(loads=[LoadSpec("r1", (*tokens, 7), tuple(blocks), 64, 128)]))
+    load_now(r, LoadSpec("r1", (*tokens, 7), tuple(blocks), 64, 128))
     got = positions(dst, blocks, 128)
     want = positions(src, list(range(0, 8)), 128)
     for g, w_ in zip(got, want, strict=True):
@@ -235,7 +251,7 @@ def test_a_corrupted_chunk_reports_its_blocks_and_writes_no_bytes(model_dir: Pat
     dst = kv_caches(fill=False)
     r = worker(config, dst)
     blocks = list(range(30, 46))
-    run_step(r, KvcConnectorMetadata(loads=[LoadSpec("r1", (*tokens, 7), tuple(blocks), 0, 256)]))
+    load_now(r, LoadSpec("r1", (*tokens, 7), tuple(blocks), 0, 256))
     # Positions 128..255 (chunks 3 and 4) could not be restored: their blocks go back to vLLM.
     assert r.get_block_ids_with_load_errors() == set(blocks[8:])
     assert r.get_block_ids_with_load_errors() == set()  # reported once
@@ -260,10 +276,10 @@ def make_scheduler(config: VllmConfig, num_blocks: int = NUM_BLOCKS) -> Schedule
     )
 
 
-def request(req_id: str, tokens: list[int], **kwargs: Any) -> Request:
+def request(req_id: str, tokens: list[int], max_tokens: int = 4, **kwargs: Any) -> Request:
     """A request as vLLM's engine core builds it (`lora_request`, `mm_features`, `cache_salt`
     as keyword arguments of `Request`)."""
-    params = SamplingParams(max_tokens=4)
+    params = SamplingParams(max_tokens=max_tokens)
     params.update_from_generation_config({}, EOS)
     return Request(
         request_id=req_id,
@@ -274,8 +290,14 @@ def request(req_id: str, tokens: list[int], **kwargs: Any) -> Request:
     )
 
 
-def test_vllms_scheduler_loads_the_stored_prefix_in_whole_blocks(model_dir: Path, tmp_path: Path) -> None:
-    config = vllm_config(model_dir, tmp_path)
+@pytest.mark.parametrize("load_async", [True, False])
+def test_vllms_scheduler_loads_the_stored_prefix_in_whole_blocks(
+    model_dir: Path, tmp_path: Path, load_async: bool
+) -> None:
+    """An asynchronous load (the default): vLLM allocates the blocks, parks the request while
+    the worker loads, and schedules only the rest of the prompt once the worker reports it
+    received; a synchronous one (`load_async: false`) is scheduled in the step of its load."""
+    config = vllm_config(model_dir, tmp_path, load_async=load_async)
     w = worker(config, kv_caches(fill=True))
     stored = list(range(1, 201))  # 200 positions: chunks of 64, 64, 64, 8
     save(w, stored, list(range(0, 13)))
@@ -292,12 +314,28 @@ def test_vllms_scheduler_loads_the_stored_prefix_in_whole_blocks(model_dir: Path
     assert set(loads) == {"hit"}
     load = loads["hit"]
     # 200 stored, whole blocks of 16: 192; vLLM computes the rest.
-    assert (load.start, load.end) == (0, 192)
+    assert (load.start, load.end, load.load_async) == (0, 192, load_async)
     assert list(load.token_ids) == prompt[:193]
-    new = {r.req_id: r for r in out.scheduled_new_reqs}
-    assert list(load.block_ids) == list(new["hit"].block_ids[0])
-    assert out.num_scheduled_tokens["hit"] == len(prompt) - 192
+    assert list(load.block_ids) == sched.kv_cache_manager.get_block_ids("hit")[0]
     assert out.num_scheduled_tokens["miss"] == 40
+    if load_async:
+        assert "hit" not in out.num_scheduled_tokens
+        assert sched.requests["hit"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        r = worker(config, kv_caches(fill=False))
+        run_step(r, meta)  # the load starts; the step's forward computes "miss"
+        sched.update_from_output(out, runner_output(list(out.num_scheduled_tokens), token=1))
+        scheduled: list[Any] = []
+        drive(
+            sched,
+            r,
+            until=lambda: bool(scheduled),
+            on_step=lambda o: scheduled.extend([o] if "hit" in o.num_scheduled_tokens else []),
+        )
+        r.shutdown()
+        out = scheduled[0]
+    new = {q.req_id: q for q in out.scheduled_new_reqs}
+    assert list(new["hit"].block_ids[0][: len(load.block_ids)]) == list(load.block_ids)
+    assert out.num_scheduled_tokens["hit"] == len(prompt) - 192
     # vLLM's hit metrics count these tokens under the disk source.
     connector = sched.get_kv_connector()
     assert connector is not None
@@ -346,8 +384,6 @@ EOS = 2
 
 
 def runner_output(req_ids: list[str], token: int = 0, finished_sending: set[str] | None = None) -> Any:
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-
     return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -482,7 +518,7 @@ def test_the_catalog_comes_back_from_the_store_alone_names_included(
     assert names(url, "vllm") == before
     dst = kv_caches(fill=False)
     r = worker(config, dst)
-    run_step(r, KvcConnectorMetadata(loads=[LoadSpec("r1", (*tokens, 7), tuple(range(40, 50)), 0, 160)]))
+    load_now(r, LoadSpec("r1", (*tokens, 7), tuple(range(40, 50)), 0, 160))
     assert r.get_block_ids_with_load_errors() == set()
     for a, b in zip(positions(src, list(range(3, 13)), 160), positions(dst, list(range(40, 50)), 160), strict=True):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
@@ -518,7 +554,8 @@ def drive(
 ) -> list[Any]:
     """vLLM's engine loop with a CPU model runner that samples token 1: each step the scheduler
     schedules, the worker side runs the step's loads and saves, and the runner's output carries
-    what the worker reports (saves read, blocks that failed to load) back to the scheduler.
+    what the worker reports (saves copied out, loads received, blocks that failed to load)
+    back to the scheduler, as vLLM's model runner mixin does.
     Returns the scheduler outputs, until `until()` holds."""
     outs = []
     stop = time.monotonic() + deadline_s
@@ -531,16 +568,13 @@ def drive(
         run_step(w, meta)
         if on_step is not None:
             on_step(out)
-        sending, _ = w.get_finished(set())
-        invalid = w.get_block_ids_with_load_errors()
-        req_ids = list(out.num_scheduled_tokens)
-        output = runner_output(req_ids, token=1, finished_sending=sending)
-        if invalid:
-            from vllm.v1.outputs import KVConnectorOutput
-
-            output.kv_connector_output = KVConnectorOutput(
-                finished_sending=sending, invalid_block_ids=invalid
-            )
+        sending, received = w.get_finished(set())
+        output = runner_output(list(out.num_scheduled_tokens), token=1)
+        output.kv_connector_output = KVConnectorOutput(
+            finished_sending=sending,
+            finished_recving=received,
+            invalid_block_ids=w.get_block_ids_with_load_errors(),
+        )
         sched.update_from_output(out, output)
     return outs
 
@@ -612,7 +646,8 @@ def test_a_preempted_request_gets_its_load_again_when_resumed(
     new request. Either way the load is in that step's metadata, into the blocks it holds now,
     and the prefix is in them."""
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0" if runner == "v1" else "1")
-    config = vllm_config(model_dir, tmp_path)
+    # Synchronous loads: the load is in the step that schedules the resumed request.
+    config = vllm_config(model_dir, tmp_path, load_async=False)
     src_caches = kv_caches(fill=True)
     src = worker(config, src_caches)
     stored = list(range(1, 129))  # 8 blocks
@@ -691,8 +726,10 @@ def test_a_corrupt_chunk_is_recomputed_by_vllm_and_the_request_finishes(
     if policy == "recompute":
         assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
         assert req.num_output_tokens == 4
-        # the second step recomputed from the last verified position (chunks 1 and 2: 128)
-        assert outs[1].num_scheduled_tokens["hit"] == len(req.prompt_token_ids or []) - 128
+        # once the load was received, vLLM recomputed from the last verified position
+        # (chunks 1 and 2: 128)
+        first = next(o for o in outs if "hit" in o.num_scheduled_tokens)
+        assert first.num_scheduled_tokens["hit"] == len(req.prompt_token_ids or []) - 128
     else:
         assert req.status == RequestStatus.FINISHED_ERROR
     sched.shutdown()
@@ -717,3 +754,358 @@ def test_vllm_does_not_treat_kvc_saves_as_deliveries(model_dir: Path, tmp_path: 
     sched = make_scheduler(vllm_config(model_dir, tmp_path))
     assert sched.requires_kv_delivery is False
     sched.shutdown()
+
+
+# ---- asynchronous loads, staged saves, aborts ------------------------------------------------
+
+
+class Held(Delegating):
+    """A store whose gets and puts wait until released (`gets`, `puts`: set = open), whose gets
+    fail as if it were unreachable while `down`, and which counts the gets that started."""
+
+    def __init__(self, inner: ChunkStore) -> None:
+        super().__init__(inner)
+        self.gets = threading.Event()
+        self.gets.set()
+        self.puts = threading.Event()
+        self.puts.set()
+        self.down = False
+        self.gets_started = 0
+        self.fail_puts_after: int | None = None
+        self.puts_done = 0
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> Any:
+        self.gets_started += 1
+        if self.down:
+            raise StoreUnavailableError(f"{self.name}: connection refused")
+        assert self.gets.wait(30), "the test never released the store's gets"
+        return self.inner.get(key)
+
+    def put(self, key: str, data: Any) -> Receipt:
+        assert self.puts.wait(30), "the test never released the store's puts"
+        with self._lock:
+            if self.fail_puts_after is not None and self.puts_done >= self.fail_puts_after:
+                raise StoreUnavailableError(f"{self.name}: connection reset during a put")
+            self.puts_done += 1
+        return self.inner.put(key, data)
+
+
+def hold_store(w: KvcConnector) -> Held:
+    """Put a `Held` wrapper between the worker's restore and checkpoint and its one store."""
+    assert w.restorer is not None and w.checkpointer is not None
+    [(name, store)] = w.restorer.stores.items()
+    held = Held(store)
+    w.restorer.stores[name] = held
+    w.checkpointer.store = held
+    return held
+
+
+def wait_until(condition: Any, what: str, deadline_s: float = 20.0) -> None:
+    stop = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < stop, what
+        time.sleep(0.001)
+
+
+def test_a_slow_load_does_not_hold_back_the_other_requests(model_dir: Path, tmp_path: Path) -> None:
+    """While a load waits on its store, vLLM keeps stepping the request already running (40
+    steps here: the load stays blocked until the test releases it); the loading request is
+    not scheduled until the worker reports it received, then only its uncached tail is
+    computed, on top of the stored KV, bit for bit."""
+    config = vllm_config(model_dir, tmp_path)
+    src_caches = kv_caches(fill=True)
+    src = worker(config, src_caches)
+    stored = list(range(1, 129))  # 8 blocks, 2 chunks of 64
+    save(src, stored, list(range(0, 8)))
+    src.shutdown()
+
+    sched = make_scheduler(config)
+    caches = kv_caches(fill=False)
+    w = worker(config, caches)
+    held = hold_store(w)
+    held.gets.clear()
+    sched.add_request(request("other", [400 + i for i in range(40)], max_tokens=600))
+    drive(sched, w, until=lambda: sched.requests["other"].num_output_tokens > 0)
+    sched.add_request(request("hit", [*stored, 300, 301, 302]))
+    other_steps = 0
+    hit_steps: list[Any] = []
+
+    def count(out: Any) -> None:
+        nonlocal other_steps
+        other_steps += "other" in out.num_scheduled_tokens
+        if "hit" in out.num_scheduled_tokens:
+            hit_steps.append(out)
+
+    # Every step from the arrival of "hit" on is a step during its load: the load cannot end
+    # before the test opens the store.
+    drive(sched, w, until=lambda: other_steps >= 40 and held.gets_started > 0, on_step=count)
+    assert sched.requests["hit"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert hit_steps == []
+    held.gets.set()
+    drive(sched, w, until=lambda: bool(hit_steps), on_step=count)
+    assert hit_steps[0].num_scheduled_tokens["hit"] == 3  # 128 positions loaded
+    new = {q.req_id: q for q in hit_steps[0].scheduled_new_reqs}
+    blocks = list(new["hit"].block_ids[0][:8])
+    for got, want in zip(positions(caches, blocks, 128), positions(src_caches, list(range(8)), 128), strict=True):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    sched.finish_requests("other", RequestStatus.FINISHED_ABORTED)
+    drive(sched, w, until=lambda: not sched.has_requests())
+    sched.shutdown()
+    w.shutdown()
+
+
+@pytest.mark.parametrize("fault", ["collected", "store_down"])
+def test_a_load_that_fails_is_recomputed_and_never_offered_again(
+    model_dir: Path, tmp_path: Path, fault: str
+) -> None:
+    """A chunk deleted (collected) between the scheduler's lookup and the worker's load, or a
+    store that is down: the blocks that could not be loaded are reported with the request's
+    completion, vLLM recomputes them (`kv_load_failure_policy="recompute"`) and the request
+    finishes. A load that lost its first block leaves vLLM nothing computed: the request is
+    looked up again and not offered the same hit."""
+    config = vllm_config(model_dir, tmp_path)
+    src = worker(config, kv_caches(fill=True))
+    stored = list(range(1, 257))  # 4 kvc chunks of 64
+    save(src, stored, list(range(0, 16)))
+    src.shutdown()
+    with Catalog.open(f"sqlite:///{tmp_path / 'catalog.db'}") as cat:
+        chunks = cat.lookup("vllm", src.fingerprint.hex, [*stored, 7]).chunks
+
+    sched = make_scheduler(config)
+    w = worker(config, kv_caches(fill=False))
+    held = hold_store(w)
+    req = request("hit", [*stored, 5, 6])
+    sched.add_request(req)
+    out = sched.schedule()  # the scheduler looked up and offered 256 positions
+    assert [(load.start, load.end) for load in out.kv_connector_metadata.loads] == [(0, 256)]
+    if fault == "collected":
+        held.inner.delete(chunks[2].blob_key)
+        verified = 128
+    else:
+        held.down = True
+        verified = 0
+    run_step(w, out.kv_connector_metadata)
+    sched.update_from_output(out, runner_output([], token=1))
+    outs = drive(sched, w, until=lambda: not sched.has_requests())
+    assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert req.num_output_tokens == 4
+    first = next(o for o in outs if "hit" in o.num_scheduled_tokens)
+    assert first.num_scheduled_tokens["hit"] == len(stored) + 2 - verified
+    assert [load for o in outs for load in o.kv_connector_metadata.loads] == []  # not offered again
+    connector = sched.get_kv_connector()
+    assert isinstance(connector, KvcConnector)
+    assert connector._load_failed == set()  # forgotten once finished
+    sched.shutdown()
+    w.shutdown()
+
+
+def test_an_abort_mid_load_releases_the_blocks_and_caches_nothing(model_dir: Path, tmp_path: Path) -> None:
+    """vLLM aborts a request while its load waits on the store: the connector does not save it,
+    the worker stops the load and reports it received, and vLLM frees every block without
+    caching any (the half-written blocks never become a prefix-cache hit: the same prompt
+    afterwards loads from kvc again, from position 0)."""
+    config = vllm_config(model_dir, tmp_path)
+    src = worker(config, kv_caches(fill=True))
+    stored = list(range(1, 257))  # 4 chunks of 64
+    save(src, stored, list(range(0, 16)))
+    src.shutdown()
+
+    sched = make_scheduler(config)
+    pool = sched.kv_cache_manager.block_pool
+    free_at_start = pool.get_num_free_blocks()
+    w = worker(config, kv_caches(fill=False))
+    held = hold_store(w)
+    held.gets.clear()
+    sched.add_request(request("hit", [*stored, 5, 6]))
+    metas: list[KvcConnectorMetadata] = []
+    drive(sched, w, until=lambda: held.gets_started > 0, on_step=lambda o: metas.append(o.kv_connector_metadata))
+    assert pool.get_num_free_blocks() < free_at_start
+    sched.finish_requests("hit", RequestStatus.FINISHED_ABORTED)
+    assert "hit" in sched.requests  # its blocks wait for the load to stop
+    held.gets.set()
+    drive(sched, w, until=lambda: "hit" not in sched.requests, on_step=lambda o: metas.append(o.kv_connector_metadata))
+    assert pool.get_num_free_blocks() == free_at_start
+    assert [c for m in metas for c in m.cancels] == ["hit"]
+    assert [s for m in metas for s in m.saves] == []
+    stats = w.get_kv_connector_stats()
+    assert stats is None or (stats.data["loads"], stats.data["load_errors"]) == (0, 0)
+
+    sched.add_request(request("again", [*stored, 5, 6]))
+    out = sched.schedule()
+    # vLLM's own prefix cache held nothing of it (a local hit would start the load past 0).
+    assert [(load.req_id, load.start, load.end) for load in out.kv_connector_metadata.loads] == [
+        ("again", 0, 256)
+    ]
+    sched.shutdown()
+    w.shutdown()
+
+
+def test_a_finished_requests_blocks_are_released_before_its_publish(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """The save copies the request's positions to host memory and reports the blocks free in
+    the same step; the publish (here a store whose puts wait) finishes later, and only then
+    does the catalog know the prefix."""
+    config = vllm_config(model_dir, tmp_path)
+    sched = make_scheduler(config)
+    w = worker(config, kv_caches(fill=True))
+    held = hold_store(w)
+    held.puts.clear()
+    prompt = list(range(1, 40))
+    sched.add_request(request("r", prompt))
+    saves: list[SaveSpec] = []
+    drive(sched, w, until=lambda: "r" not in sched.requests, on_step=lambda o: saves.extend(o.kv_connector_metadata.saves))
+    assert [(s.req_id, len(s.token_ids)) for s in saves] == [("r", 32)]
+    with Catalog.open(f"sqlite:///{tmp_path / 'catalog.db'}") as cat:
+        assert cat.lookup("vllm", w.fingerprint.hex, [*prompt, 1]).matched_tokens == 0
+        assert held.puts_done == 0  # the publish is still waiting on its store
+        held.puts.set()
+        assert w.checkpointer is not None
+        w.checkpointer.close()
+        assert cat.lookup("vllm", w.fingerprint.hex, [*prompt, 1]).matched_tokens == 32
+    sched.shutdown()
+    w.shutdown()
+
+
+def test_a_save_whose_publish_fails_midway_leaves_nothing_visible(model_dir: Path, tmp_path: Path) -> None:
+    """The store fails after the first of a save's chunks: the blocks were released all the
+    same, the catalog holds nothing of the save (the chunk put before the failure is an
+    orphan, never catalogued), and the save counts as an error."""
+    config = vllm_config(model_dir, tmp_path)
+    w = worker(config, kv_caches(fill=True))
+    held = hold_store(w)
+    held.fail_puts_after = 1
+    tokens = list(range(1, 257))  # 4 chunks of 64
+    run_step(w, KvcConnectorMetadata(saves=[SaveSpec("r", tuple(tokens), tuple(range(16)))]))
+    assert w.get_finished(set()) == ({"r"}, None)  # released before the publish ran
+    assert w.checkpointer is not None
+    w.checkpointer.close()
+    assert held.puts_done == 1  # the other chunks' puts failed (or were not tried)
+    with Catalog.open(f"sqlite:///{tmp_path / 'catalog.db'}") as cat:
+        assert cat.lookup("vllm", w.fingerprint.hex, [*tokens, 1]).matched_tokens == 0
+    stats = w.get_kv_connector_stats()
+    assert stats is not None and (stats.data["saves"], stats.data["save_errors"]) == (0, 1)
+    w.shutdown()
+
+
+# ---- CUDA: the connector's stream, ordered with vLLM's by events (not run without a GPU) ----
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def on_cuda(caches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: t.to("cuda") for name, t in caches.items()}
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_a_save_reads_what_the_forward_stream_wrote_before_it(model_dir: Path, tmp_path: Path) -> None:
+    """vLLM's stream writes the request's KV behind a long kernel; the save, handed over after
+    it, copies on the connector's stream once the write is done (an event orders them): the
+    saved KV is the written KV, and the blocks are released once the copy has landed."""
+    config = vllm_config(model_dir, tmp_path)
+    caches = on_cuda(kv_caches(fill=False))
+    want = on_cuda(kv_caches(fill=True, seed=3))
+    w = worker(config, caches)
+    tokens = list(range(1, 129))
+    torch.cuda._sleep(200_000_000)  # the forward stream is busy for a while
+    for name, t in caches.items():
+        t.copy_(want[name])  # ... then writes the KV the save must read
+    run_step(w, KvcConnectorMetadata(saves=[SaveSpec("r", tuple(tokens), tuple(range(8)))]))
+    wait_until(lambda: w.get_finished(set())[0] == {"r"}, "the save's blocks were never released")
+    assert w.checkpointer is not None
+    w.checkpointer.close()
+    w.shutdown()
+    dst = on_cuda(kv_caches(fill=False))
+    r = worker(config, dst)
+    load_now(r, LoadSpec("r1", (*tokens, 7), tuple(range(20, 28)), 0, 128))
+    assert r.get_block_ids_with_load_errors() == set()
+    torch.cuda.synchronize()
+    for got, expected in zip(positions(dst, list(range(20, 28)), 128), positions(want, list(range(8)), 128), strict=True):
+        assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+    r.shutdown()
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("load_async", [True, False])
+def test_cuda_a_load_lands_after_what_the_forward_stream_enqueued_before_it(
+    model_dir: Path, tmp_path: Path, load_async: bool
+) -> None:
+    """vLLM's stream zeroes the destination blocks behind a long kernel, then the step hands
+    the load over: the load's copies wait for the zeroing (an event on vLLM's stream), so the
+    blocks end up holding the stored KV, not zeros. A synchronous load makes vLLM's stream
+    wait for its copies before the forward."""
+    config = vllm_config(model_dir, tmp_path, load_async=load_async)
+    src_caches = kv_caches(fill=True)
+    src = worker(config, src_caches)
+    tokens = list(range(1, 129))
+    save(src, tokens, list(range(8)))
+    src.shutdown()
+    dst = on_cuda(kv_caches(fill=True, seed=5))
+    r = worker(config, dst)
+    torch.cuda._sleep(200_000_000)
+    for t in dst.values():
+        t[20:28].zero_()  # vLLM zeroing newly allocated blocks, still queued
+    load_now(r, LoadSpec("r1", (*tokens, 7), tuple(range(20, 28)), 0, 128, load_async))
+    if not load_async:
+        for t in dst.values():
+            t[20:28].add_(0)  # the forward, on vLLM's stream, reads the loaded blocks
+    torch.cuda.synchronize()
+    for got, expected in zip(positions(dst, list(range(20, 28)), 128), positions(src_caches, list(range(8)), 128), strict=True):
+        assert torch.equal(got.cpu().view(torch.int16), expected.view(torch.int16))
+    r.shutdown()
+
+
+def test_a_preempted_request_loads_again_asynchronously_into_the_blocks_it_holds_then(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """With asynchronous loads, a request vLLM preempts after its load (its blocks freed and
+    reused) is offered its prefix again when vLLM takes it back; the second load goes into
+    the blocks vLLM allocated then (`update_state_after_alloc`), which are the blocks the
+    resumed request computes on, and they hold the prefix."""
+    config = vllm_config(model_dir, tmp_path)
+    src_caches = kv_caches(fill=True)
+    src = worker(config, src_caches)
+    stored = list(range(1, 129))  # 8 blocks
+    save(src, stored, list(range(0, 8)))
+    src.shutdown()
+
+    config.cache_config.enable_prefix_caching = False  # a resume finds nothing in vLLM's own cache
+    sched = make_scheduler(config, num_blocks=20)  # 19 usable: both prompts, then too few
+    caches = kv_caches(fill=False)
+    w = worker(config, caches)
+    for name, tail in (("a", range(300, 316)), ("b", range(500, 516))):
+        sched.add_request(request(name, [*stored, *tail], max_tokens=40))
+    loads: list[LoadSpec] = []
+    computed_on: dict[str, list[list[int]]] = {"a": [], "b": []}  # blocks after each load
+    preempted: set[str] = set()
+
+    def record(out: Any) -> None:
+        loads.extend(out.kv_connector_metadata.loads)
+        for name, tables in computed_on.items():
+            if name in out.num_scheduled_tokens and len(tables) < sum(
+                load.req_id == name for load in loads
+            ):
+                tables.append(list(sched.kv_cache_manager.get_block_ids(name)[0]))
+        for name in computed_on:
+            req = sched.requests.get(name)
+            if req is not None and req.status == RequestStatus.PREEMPTED:
+                preempted.add(name)
+                for t in caches.values():
+                    t.zero_()  # its blocks are free: whatever was in them is gone
+
+    drive(sched, w, until=lambda: not sched.has_requests(), on_step=record)
+    [again] = preempted
+    reloads = [load for load in loads if load.req_id == again]
+    assert [(load.start, load.end, load.load_async) for load in reloads] == [(0, 128, True)] * 2
+    assert list(reloads[1].block_ids) == computed_on[again][1][: len(reloads[1].block_ids)]
+    for got, want in zip(
+        positions(caches, list(reloads[1].block_ids), 128),
+        positions(src_caches, list(range(0, 8)), 128),
+        strict=True,
+    ):
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    sched.shutdown()
+    w.shutdown()

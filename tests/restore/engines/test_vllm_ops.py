@@ -76,7 +76,7 @@ def step_output(out: Any, w: KvcConnector, token: int) -> ModelRunnerOutput:
     """One worker's `ModelRunnerOutput` for a step, carrying what its connector reports after
     the step (as vLLM's model runner mixin does), pickled and unpickled like the output a
     worker process sends to the executor."""
-    sending, _ = w.get_finished(set())
+    sending, received = w.get_finished(set())
     req_ids = list(out.num_scheduled_tokens)
     output = ModelRunnerOutput(
         req_ids=req_ids,
@@ -87,6 +87,7 @@ def step_output(out: Any, w: KvcConnector, token: int) -> ModelRunnerOutput:
         pooler_output=None,
         kv_connector_output=KVConnectorOutput(
             finished_sending=sending,
+            finished_recving=received,
             invalid_block_ids=w.get_block_ids_with_load_errors(),
             kv_connector_stats=w.get_kv_connector_stats(),
         ),
