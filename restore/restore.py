@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
+import collections
 import logging
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -258,74 +258,103 @@ class Restorer:
         """Fetch, verify and write chunks, several at once within the byte budget; return how
         many leading positions are loaded (every chunk before the first failure).
 
-        Each chunk is written into the destination by the thread that verified it (the
-        writes are disjoint, and the copy of one chunk overlaps the hashing of the next).
-        Positions past the first failed chunk may be written too: `commit` drops them.
+        Chunks are taken in order by lanes: up to `max_parallel` for chunks whose best
+        replica is local or resident, `object_parallel` for object-store ones, and the
+        calling thread is one of them (a restore of one chunk hands nothing to another
+        thread; a small one waits on no thread but its own). Each chunk is written into
+        the destination by the lane that verified it (the writes are disjoint, and the
+        copy of one chunk overlaps the hashing of the next). After a chunk fails, no lane
+        starts a later one; positions past it already written are dropped by `commit`.
         """
-        pending: dict[int, Future[tuple[str, float, float]]] = {}
-        in_flight = 0
-        nxt = 0
-        restored = 0
         chunks = match.chunks
-        fetch_s = copy_s = 0.0
-
+        n = len(chunks)
+        outcomes: list[tuple[str, float, float] | BaseException | None] = [None] * n
         # Chunks verified side by side keep the cores busy: each is hashed on its own thread.
-        hash_threads = 1 if len(chunks) > 1 and self.max_parallel > 1 else None
+        hash_threads = 1 if n > 1 and self.max_parallel > 1 else None
+        queues: dict[bool, collections.deque[int]] = {
+            False: collections.deque(),
+            True: collections.deque(),
+        }
+        for i, c in enumerate(chunks):
+            queues[self._from_object_tier(c)].append(i)
+        turn = threading.Condition()
+        in_flight = 0
+        stop = n  # no chunk at or past this index is started
 
-        def load(c: ChunkMatch) -> tuple[str, float, float]:
-            decoded, location, seconds = self._fetch_verified(
-                c, tok, fp_hex, shard, layout, report, hash_threads
-            )
-            t = time.perf_counter()
-            destination.write(decoded.kv, c.token_start, c.tokens_used)
-            return location, seconds, time.perf_counter() - t
+        def take(queue: collections.deque[int]) -> int | None:
+            nonlocal in_flight
+            with turn:
+                while True:
+                    if not queue or queue[0] >= stop or (cancel is not None and cancel.is_set()):
+                        return None
+                    size = chunks[queue[0]].stored_bytes
+                    if not in_flight or in_flight + size <= self.byte_budget:
+                        in_flight += size
+                        return queue.popleft()
+                    turn.wait()
 
-        try:
-            while nxt < len(chunks) or pending:
-                # Keep chunks in flight within the byte budget, in order.
-                while nxt < len(chunks) and (
-                    not pending or in_flight + chunks[nxt].stored_bytes <= self.byte_budget
-                ):
-                    pending[nxt] = self._executor_for(chunks[nxt]).submit(load, chunks[nxt])
-                    in_flight += chunks[nxt].stored_bytes
-                    nxt += 1
-                i = min(pending)
-                fut = pending.pop(i)
-                wait([fut], return_when=FIRST_COMPLETED)
-                in_flight -= chunks[i].stored_bytes
-                if cancel is not None and cancel.is_set():
-                    raise RestoreError("restore cancelled")
-                try:
-                    location, seconds, copied = fut.result()
-                except _ChunkFailed:
-                    break  # the longest verified prefix ends before this chunk
-                fetch_s += seconds
-                copy_s += copied
+        def lane(queue: collections.deque[int]) -> None:
+            nonlocal in_flight, stop
+            while (i := take(queue)) is not None:
                 c = chunks[i]
-                restored = c.token_start + c.tokens_used
-                report.chunks += 1
-                report.bytes += c.stored_bytes
-                report.replicas_used[location] = report.replicas_used.get(location, 0) + 1
+                try:
+                    decoded, location, seconds = self._fetch_verified(
+                        c, tok, fp_hex, shard, layout, report, hash_threads
+                    )
+                    t = time.perf_counter()
+                    destination.write(decoded.kv, c.token_start, c.tokens_used)
+                    outcomes[i] = (location, seconds, time.perf_counter() - t)
+                except BaseException as exc:
+                    outcomes[i] = exc
+                    with turn:  # the longest verified prefix ends before this chunk
+                        stop = min(stop, i)
+                finally:
+                    with turn:
+                        in_flight -= c.stored_bytes
+                        turn.notify_all()
+
+        # The calling thread runs a lane of the tier the first chunk is read from.
+        mine = queues[self._from_object_tier(chunks[0])]
+        helpers: list[Future[None]] = []
+        for queue, executor, width in (
+            (queues[False], self._executor, self.max_parallel),
+            (queues[True], self._object_executor, self.object_parallel),
+        ):
+            lanes = min(width, len(queue)) - (queue is mine)
+            helpers += [executor.submit(lane, queue) for _ in range(max(lanes, 0))]
+        try:
+            lane(mine)
+        except BaseException:
+            with turn:
+                stop = -1  # the caller is leaving (interrupted): start nothing more
+                turn.notify_all()
+            raise
         finally:
-            self._drain(pending)  # no thread writes into the destination after this
+            wait(helpers)  # no thread writes into the destination after this
+        if cancel is not None and cancel.is_set():
+            raise RestoreError("restore cancelled")
+        restored = 0
+        fetch_s = copy_s = 0.0
+        for c, outcome in zip(chunks, outcomes, strict=True):
+            if outcome is None or isinstance(outcome, _ChunkFailed):
+                break  # the longest verified prefix ends before this chunk
+            if isinstance(outcome, BaseException):
+                raise outcome
+            location, seconds, copied = outcome
+            fetch_s += seconds
+            copy_s += copied
+            restored = c.token_start + c.tokens_used
+            report.chunks += 1
+            report.bytes += c.stored_bytes
+            report.replicas_used[location] = report.replicas_used.get(location, 0) + 1
         report.seconds["fetch+verify"] = fetch_s
         report.seconds["copy"] = copy_s
         return restored
 
-    def _executor_for(self, c: ChunkMatch) -> ThreadPoolExecutor:
-        """The object tier's workers for a chunk whose best readable replica is there."""
+    def _from_object_tier(self, c: ChunkMatch) -> bool:
+        """Whether the replica a chunk is read from first is in an object store."""
         order = self._replica_order(c)
-        return self._object_executor if order and order[0][0].tier == "object" else self._executor
-
-    def _drain(self, pending: dict[int, Future[Any]]) -> None:
-        for f in pending.values():
-            f.cancel()
-        for f in pending.values():
-            if not f.cancelled():
-                # Failures of chunks past the cut are already in the catalog and report.
-                with contextlib.suppress(Exception):
-                    f.result()
-        pending.clear()
+        return bool(order) and order[0][0].tier == "object"
 
     def readable_prefix(self, match: Match) -> tuple[int, int, Tier | None]:
         """What a restore of `match` can fetch before verifying anything: `(tokens, stored

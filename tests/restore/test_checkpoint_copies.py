@@ -8,6 +8,7 @@ per chunk worker, reused by the next checkpoint, whatever the route's length.
 
 from __future__ import annotations
 
+import os
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -86,7 +87,9 @@ def filled_pool(tokens: int, seed: int) -> tuple[PagePool, int]:
     rng = np.random.default_rng(seed)
     shape = (LAYOUT.num_layers, tokens, LAYOUT.num_kv_heads, LAYOUT.head_dim)
     route = pool.new_route()
-    pool.append(route, *(rng.standard_normal(shape, dtype=np.float32).astype(np.float16) for _ in "kv"))
+    pool.append(
+        route, *(rng.standard_normal(shape, dtype=np.float32).astype(np.float16) for _ in "kv")
+    )
     return pool, route
 
 
@@ -105,7 +108,10 @@ def test_the_store_writes_from_the_buffer_the_capture_filled(
     pool, route = filled_pool(n, seed=1)
     tokens = np.random.default_rng(2).integers(0, 50_000, n).tolist()
     store = Recording(open_store(f"file://{tmp_path / 'blobs'}"))
-    with pool.lease(route) as lease, Checkpointer(cat, store, chunk_size=CHUNK, parallel=parallel) as cp:
+    with (
+        pool.lease(route) as lease,
+        Checkpointer(cat, store, chunk_size=CHUNK, parallel=parallel) as cp,
+    ):
         snap = Watched(lease)
         result = cp.checkpoint_snapshot(snap, tokens, FP)
         expected = lease.read_kv(0, n)
@@ -133,7 +139,9 @@ def test_a_checkpoint_holds_one_record_buffer_per_worker_and_reuses_it(
     record = LAYOUT.bytes_per_token * CHUNK  # 4 MiB of KV per chunk
     store = open_store(f"file://{tmp_path / 'blobs'}")
     with Checkpointer(cat, store, chunk_size=CHUNK, parallel=1) as warm:
-        warm.checkpoint(pool, route, list(range(n)), FP)  # the interpreter's and catalog's first use
+        warm.checkpoint(
+            pool, route, list(range(n)), FP
+        )  # the interpreter's and catalog's first use
     with Checkpointer(cat, store, chunk_size=CHUNK, parallel=1) as cp:
         tracemalloc.start()
         try:
@@ -151,3 +159,69 @@ def test_a_checkpoint_holds_one_record_buffer_per_worker_and_reuses_it(
     assert record <= peak - before < record + 2 * MiB
     # The next checkpoint builds its records in the same buffer: nothing KV-sized is allocated.
     assert peak_again - at < MiB
+
+
+def test_a_transformers_checkpoint_copies_the_cache_once(
+    tmp_path: Path, cat: Catalog, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HFAdapter.checkpoint: the cache's tensors are read in place (scan and capture) and
+    copied once, into the record buffer each blob is written from; no KV-sized array
+    besides the record buffers of the chunk workers is made."""
+    torch = pytest.importorskip("torch")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from restore.engines.hf import HFAdapter
+    from restore.engines.hf.cache import CacheSnapshot
+    from tests.restore.engines.hf_worker import prefill
+
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=128,  # 16 KiB of float32 KV per position: a 4 MiB record per chunk
+        max_position_embeddings=1024,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    n = 2 * CHUNK + 40
+    ids = np.random.default_rng(4).integers(1, 127, n + 1).tolist()
+    cache = prefill(model, ids[:n])
+    record = 16 * 1024 * CHUNK
+    filled: list[tuple[int, int]] = []
+    read_into = CacheSnapshot.read_kv_into
+
+    def noted(self: CacheSnapshot, out: np.ndarray[Any, Any], start: int, end: int) -> None:
+        filled.append(address_range(out))
+        read_into(self, out, start, end)
+
+    def copied(self: CacheSnapshot, start: int, end: int) -> np.ndarray[Any, Any]:
+        raise AssertionError("the checkpoint made an intermediate copy of the KV (read_kv)")
+
+    monkeypatch.setattr(CacheSnapshot, "read_kv_into", noted)
+    monkeypatch.setattr(CacheSnapshot, "read_kv", copied)
+    store = Recording(open_store(f"file://{tmp_path / 'blobs'}"))
+    with HFAdapter(model, cat, [store], chunk_size=CHUNK, weights_id="copies") as kv:
+        other = [t + 1 for t in ids[: CHUNK + 1]]
+        kv.checkpoint(other, prefill(model, other[:CHUNK]))  # first use of everything
+        store.written.clear()
+        filled.clear()
+        tracemalloc.start()
+        try:
+            before, _ = tracemalloc.get_traced_memory()
+            result = kv.checkpoint(ids, cache)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        restored, got = kv.restore(ids)
+    assert result.new_chunks == 3 and got == n
+    assert len(filled) == len(store.written) == 3
+    for lo, hi in filled:  # each blob written from the memory the cache was copied into
+        assert any(wlo < lo and hi == whi for wlo, whi in store.written)
+    workers = min(2, os.cpu_count() or 1)
+    assert peak - before < workers * record + 2 * MiB  # nothing KV-sized besides the records
+    for a, b in zip(cache.layers, restored.layers, strict=True):
+        assert torch.equal(a.keys.view(torch.int32), b.keys.view(torch.int32))
+        assert torch.equal(a.values.view(torch.int32), b.values.view(torch.int32))

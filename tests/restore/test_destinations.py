@@ -30,7 +30,12 @@ from catalog import AttentionLayout  # noqa: E402
 from catalog.models import Shard  # noqa: E402
 from restore.destination import Destination, KVSnapshot, PoolDestination  # noqa: E402
 from restore.encode import InPlaceSnapshot  # noqa: E402
-from restore.engines.hf.cache import CacheDestination, CacheSnapshot  # noqa: E402
+from restore.engines.hf.cache import (  # noqa: E402
+    CacheBuilder,
+    CacheDestination,
+    CacheSnapshot,
+    HostBuffers,
+)
 from restore.engines.torch_kv import numpy_view, torch_dtype  # noqa: E402
 from restore.errors import InputError, RestoreError  # noqa: E402
 from restore.pool import PagePool  # noqa: E402
@@ -202,7 +207,8 @@ class HFEngine(Engine):
         self.held: list[Any] = []
 
     def destination(self) -> Destination:
-        return CacheDestination(self.model, self.layout, Shard(0, LAYERS, 0, HEADS))
+        shard = Shard(0, LAYERS, 0, HEADS)
+        return CacheBuilder(self.model, self.layout, shard, HostBuffers(0)).destination()
 
     def visible(self, dest: Destination) -> np.ndarray[Any, Any]:
         assert isinstance(dest, CacheDestination)

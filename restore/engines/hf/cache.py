@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import mmap
-from typing import Any
+import threading
+import weakref
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -18,6 +21,8 @@ from restore.engines.hf.identity import attention_layers, check_window
 from restore.engines.torch_kv import numpy_view, torch_dtype
 from restore.errors import InputError, UnsupportedModelError
 from restore.pages import check_payload, check_range, check_span, payload_shape
+
+_T = TypeVar("_T")
 
 
 class CacheSnapshot:
@@ -117,50 +122,183 @@ def _to_pinned_host(
 _HUGE_PAGE = 2 << 20
 
 
-def _fresh_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor whose memory the kernel backs with huge pages where it
-    can: the restore's one copy writes into never-touched memory, and faulting it in by 4 KiB
-    pages runs at about a third of the speed (measured: 2.1 vs 6.6 GB/s here)."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < _HUGE_PAGE:
-        return torch.empty(shape, dtype=dtype)
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        memory.madvise(mmap.MADV_HUGEPAGE)
-    # The tensor holds the mapping; it is unmapped when the last view is gone.
-    return torch.frombuffer(memory, dtype=dtype).view(shape)
+class HostBuffers:
+    """CPU memory that restores land in, taken back once nothing uses it and handed to the next.
+
+    Memory the kernel maps for the first time is zeroed page by page on its first write,
+    so a restore's one copy into it runs at a fraction of the speed of a copy into memory
+    written before (on the 2-core VM: 2.1 GB/s in 4 KiB pages, 6.6 GB/s in huge pages,
+    13 GB/s into memory already touched). The tensors of a restored cache are views of
+    one buffer, and transformers replaces them on its first forward (it concatenates
+    into new tensors), so the buffer is free again by the next restore: when the last
+    view is gone it comes back here, and at most `keep_bytes` of idle buffers are kept.
+    New buffers are mapped in huge pages where the kernel can. Buffers under 2 MiB are
+    malloc's, which recycles them itself. Thread-safe: a buffer comes back on whatever
+    thread drops its last view.
+    """
+
+    def __init__(self, keep_bytes: int) -> None:
+        if isinstance(keep_bytes, bool) or not isinstance(keep_bytes, int) or keep_bytes < 0:
+            raise InputError(f"keep_bytes must be an int >= 0, got {keep_bytes!r}")
+        self.keep_bytes = keep_bytes
+        self._lock = threading.Lock()
+        self._idle: list[mmap.mmap] = []
+        # Buffers given back and not yet sorted in: a buffer comes back from a finalizer,
+        # which may run inside any allocation (a garbage collection), this class's included.
+        self._returned: collections.deque[mmap.mmap] = collections.deque()
+
+    @property
+    def idle_bytes(self) -> int:
+        with self._lock:
+            self._sort_in()
+            return sum(len(m) for m in self._idle)
+
+    def tensor(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised CPU tensor of `shape`, in a kept buffer when one fits."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes < _HUGE_PAGE:
+            return torch.empty(shape, dtype=dtype)
+        size = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
+        memory = self._take(size)
+        if memory is None:
+            memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                memory.madvise(mmap.MADV_HUGEPAGE)
+        view = np.frombuffer(memory, dtype=np.uint8, count=nbytes)
+        # Only the tensor (through torch.from_numpy) holds `view`: once the last tensor on
+        # this memory is gone, so is `view`, and the memory comes back.
+        weakref.finalize(view, self._give_back, memory).atexit = False
+        return torch.from_numpy(view).view(dtype).view(shape)
+
+    def _take(self, size: int) -> mmap.mmap | None:
+        """The smallest idle buffer of `size` to twice `size` bytes (a larger one would hold
+        memory the restore does not use)."""
+        with self._lock:
+            self._sort_in()
+            fits = [m for m in self._idle if size <= len(m) <= 2 * size]
+            if not fits:
+                return None
+            memory = min(fits, key=len)
+            self._idle.remove(memory)
+            return memory
+
+    def _give_back(self, memory: mmap.mmap) -> None:
+        self._returned.append(memory)  # atomic: never waits, whatever this thread holds
+        if self._lock.acquire(blocking=False):  # else the holder or the next caller sorts it in
+            try:
+                self._sort_in()
+            finally:
+                self._lock.release()
+
+    def _sort_in(self) -> None:
+        """Move given-back buffers to the idle ones, then trim those to `keep_bytes` (under the lock)."""
+        while self._returned:
+            self._idle.append(self._returned.popleft())
+        self._idle.sort(key=len, reverse=True)
+        while self._idle and sum(len(m) for m in self._idle) > self.keep_bytes:
+            self._idle.pop(0)  # the largest first: it would serve fewer restores
+
+    def clear(self) -> None:
+        """Drop the idle buffers (buffers in use come back and are kept as before)."""
+        with self._lock:
+            self._returned.clear()
+            self._idle.clear()
+
+
+class CacheBuilder:
+    """What every restore into one model's DynamicCache shares: the slab it holds, the host
+    buffers restores land in, and an empty cache built from the model's config once.
+
+    Building a DynamicCache from the config (layer types from the config, then a lazy
+    initialisation per layer) costs more than a small restore's copy; copying the empty
+    one costs a few microseconds per layer. Only layers that keep per-position KV are accepted
+    (`attention_layers`).
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        layout: AttentionLayout,
+        shard: Shard,
+        buffers: HostBuffers,
+    ) -> None:
+        self.model = model
+        self.layout = layout
+        self.shard = shard
+        self.buffers = buffers
+        self._empty = DynamicCache(config=model.config)
+        layers = attention_layers(self._empty)
+        # The slab's layers as transformers initialises them (dtype, device, and whatever
+        # else), so a restored layer is a copy of one with its keys and values set.
+        nothing = torch.empty(
+            (1, layout.num_kv_heads, 0, layout.head_dim),
+            dtype=torch_dtype(layout.dtype),
+            device=model.device,
+        )
+        self._ready = [_copy(layers[shard.layer_lo + i]) for i in range(layout.num_layers)]
+        for layer in self._ready:
+            layer.lazy_initialization(nothing, nothing)
+
+    def destination(self) -> CacheDestination:
+        return CacheDestination(self)
+
+    def cache(self, kv: torch.Tensor, tokens: int) -> DynamicCache:
+        """A DynamicCache whose slab layers hold positions `[0, tokens)` of `kv` (`[L, 2, T, H,
+        D]`) as `[1, H, tokens, D]` views; the other layers are empty."""
+        cache = _copy(self._empty)
+        cache.layers = [_copy(layer) for layer in self._empty.layers]
+        # [L, 2, T, H, D] -> 2L views [1, H, T, D] (K, V, K, V, ...) in one call.
+        views = kv[:, :, :tokens].transpose(2, 3).unsqueeze(2).flatten(0, 1).unbind(0)
+        lo = self.shard.layer_lo
+        for i, ready in enumerate(self._ready):
+            layer = _copy(ready)
+            start = 0
+            if isinstance(layer, DynamicSlidingWindowLayer):
+                # What the layer's own `update` leaves after `tokens` positions: the last
+                # `sliding_window - 1` of them, and the count of every position it has seen.
+                start = max(tokens - (layer.sliding_window - 1), 0)
+                layer.cumulative_length = tokens
+            layer.keys, layer.values = views[2 * i][:, :, start:], views[2 * i + 1][:, :, start:]
+            cache.layers[lo + i] = layer
+        return cache
+
+
+def _copy(obj: _T) -> _T:
+    """A shallow copy of a plain object (what `copy.copy` does, in a third of its time)."""
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__)
+    return new
 
 
 class CacheDestination:
     """A `Destination` that becomes a DynamicCache: verified chunks land in one host buffer
-    laid out like the blob payload, `[L, 2, T, H, D]` (pinned for a GPU model), so each
-    chunk is one plain copy; the layers' tensors are `[1, H, T, D]` views of it (strided:
-    transformers' first append concatenates them into new tensors anyway)."""
+    laid out like the blob payload, `[L, 2, T, H, D]` (pinned for a GPU model; from the
+    builder's `HostBuffers` on the CPU), so each chunk is one plain copy; the layers' tensors
+    are `[1, H, T, D]` views of it (strided: transformers' first append concatenates them
+    into new tensors anyway, and the buffer goes back to `HostBuffers`)."""
 
-    def __init__(self, model: PreTrainedModel, layout: AttentionLayout, shard: Shard) -> None:
-        self._model = model
-        self._layout = layout
-        self._shard = shard
+    def __init__(self, builder: CacheBuilder) -> None:
+        self._builder = builder
         self._host: torch.Tensor | None = None
         self._view: np.ndarray[Any, Any] | None = None
         self.cache: DynamicCache | None = None
 
     @property
     def layout(self) -> AttentionLayout:
-        return self._layout
+        return self._builder.layout
 
     def reserve(self, tokens: int) -> None:
-        lay = self._layout
+        lay = self._builder.layout
         shape = (lay.num_layers, 2, tokens, lay.num_kv_heads, lay.head_dim)
         dtype = torch_dtype(lay.dtype)
-        if self._model.device.type == "cuda":
+        if self._builder.model.device.type == "cuda":
             self._host = torch.empty(shape, dtype=dtype, pin_memory=True)
         else:
-            self._host = _fresh_host_tensor(shape, dtype)
+            self._host = self._builder.buffers.tensor(shape, dtype)
         self._view = numpy_view(self._host)
 
     def write(self, kv: np.ndarray[Any, Any], start: int, count: int) -> None:
-        check_payload(self._layout, kv, count)
+        check_payload(self._builder.layout, kv, count)
         check_span(start, count, 0 if self._view is None else self._view.shape[2])
         assert self._view is not None
         self._view[:, :, start : start + count] = kv[:, :, :count]  # the one copy from the blob
@@ -169,23 +307,9 @@ class CacheDestination:
         host = self._host
         assert host is not None
         self._host = self._view = None
-        device = self._model.device
+        device = self._builder.model.device
         kv = host if device.type == "cpu" else host.to(device, non_blocking=True)
-        cache = DynamicCache(config=self._model.config)
-        layers = attention_layers(cache)
-        for i in range(self._layout.num_layers):
-            layer = layers[self._shard.layer_lo + i]
-            start = 0
-            if isinstance(layer, DynamicSlidingWindowLayer):
-                # What the layer's own `update` leaves after `tokens` positions: the last
-                # `sliding_window - 1` of them, and the count of every position it has seen.
-                start = max(tokens - (layer.sliding_window - 1), 0)
-                layer.cumulative_length = tokens
-            k = kv[i, 0, start:tokens].transpose(0, 1).unsqueeze(0)
-            v = kv[i, 1, start:tokens].transpose(0, 1).unsqueeze(0)
-            layer.lazy_initialization(k, v)
-            layer.keys, layer.values = k, v
-        self.cache = cache
+        self.cache = self._builder.cache(kv, tokens)
 
     def abort(self) -> None:
         self._host = self._view = None
