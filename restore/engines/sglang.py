@@ -61,7 +61,6 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -84,12 +83,11 @@ from catalog.identity import is_hex64
 from catalog.lru import LRU
 from catalog.models import Match, Shard
 from chunkstore import open_store
-from chunkstore.record import check_finite
 from restore.checkpoint import Checkpointer
 from restore.engines.identity import engine_fingerprint, weights_identity
-from restore.engines.torch_kv import DTYPES, numpy_view
+from restore.engines.sglang_pages import LAYOUTS, HostPages
+from restore.engines.torch_kv import DTYPES
 from restore.errors import InputError, RestoreError, UnsupportedModelError
-from restore.pages import check_payload, check_range, check_span, payload_shape
 from restore.restore import Restorer
 from restore.session import Session
 
@@ -101,10 +99,6 @@ KEY_WORDS = 8  # a 32-byte SGLang page key as uint32 words
 # Lineages of one page key tried per call: a key commits to its prefix, so there is one
 # unless a writer placed the page with a truncated `prefix_keys`.
 MAX_LINEAGES = 4
-LAYOUTS = ("layer_first", "page_first")
-# Page -> [L, 2, P, H, D] (a kvc payload) and back, per host layout of kv_buffer.
-_TO_PAYLOAD = {"layer_first": (1, 0, 2, 3, 4), "page_first": (2, 0, 1, 3, 4)}
-_TO_HOST = {"layer_first": (1, 0, 2, 3, 4), "page_first": (1, 2, 0, 3, 4)}
 
 
 def _page_key(symbols: tuple[int, ...]) -> str:
@@ -124,101 +118,6 @@ def page_symbols(keys: list[str], page_size: int) -> np.ndarray[Any, np.dtype[np
             raise InputError(f"SGLang page key {key!r:.80} is not 64 lowercase hex characters")
         out[i, :KEY_WORDS] = np.frombuffer(bytes.fromhex(key), dtype=">u4")
     return out.reshape(-1)
-
-
-class _HostPages:
-    """Some pages of a kv_buffer-shaped tensor as kvc's two seams (`restore.destination`).
-
-    Chain positions `[0, base * P)` are the call's `prefix_keys` (not here: a
-    read or write of them fails); page `base + j` is at slot `starts[j]`. A
-    range may cross pages (kvc writes a page per chunk; the seam does not ask it).
-    `abort` and a `commit` of fewer positions leave what was written in the pages:
-    SGLang allocated them for this read and uses only the pages reported loaded.
-    """
-
-    def __init__(
-        self,
-        buffer: torch.Tensor,
-        host_layout: str,
-        layout: AttentionLayout,
-        page_size: int,
-        base: int,
-        starts: list[int],
-    ) -> None:
-        self._buf = numpy_view(buffer)
-        self._host_layout = host_layout
-        self._layout = layout
-        self._p = page_size
-        self._base = base
-        self._starts = starts
-        self._reserved = 0
-        self.committed = 0
-
-    @property
-    def layout(self) -> AttentionLayout:
-        return self._layout
-
-    @property
-    def length(self) -> int:
-        return (self._base + len(self._starts)) * self._p
-
-    def _pieces(self, start: int, end: int) -> Iterator[tuple[np.ndarray[Any, Any], int, int]]:
-        """(host memory of a run of positions within one page in host order, its offset from
-        `start`, its count) covering `[start, end)`."""
-        if start < self._base * self._p and end > start:
-            raise RestoreError(
-                f"positions {start}..{end} are not pages of this call: "
-                "a page before the call's keys is not catalogued in kvc"
-            )
-        pos = start
-        while pos < end:
-            j, off = divmod(pos, self._p)
-            take = min(self._p - off, end - pos)
-            s = self._starts[j - self._base] + off
-            if self._host_layout == "layer_first":
-                yield self._buf[:, :, s : s + take], pos - start, take
-            else:
-                yield self._buf[:, s : s + take], pos - start, take
-            pos += take
-
-    def read_kv(self, start: int, end: int) -> np.ndarray[Any, Any]:
-        start, end = check_range(start, end, self.length)
-        out = np.empty(payload_shape(self._layout, end - start), dtype=self._layout.numpy_dtype)
-        self.read_kv_into(out, start, end)
-        return out
-
-    def read_kv_into(self, out: np.ndarray[Any, Any], start: int, end: int) -> None:
-        start, end = check_range(start, end, self.length)
-        check_payload(self._layout, out, end - start, what="out", exact=True)
-        for host, at, n in self._pieces(start, end):
-            out[:, :, at : at + n] = host.transpose(_TO_PAYLOAD[self._host_layout])
-
-    def check_finite(self, start: int, end: int) -> None:
-        start, end = check_range(start, end, self.length)
-        for host, _at, _n in self._pieces(start, end):
-            check_finite(host, self._layout.dtype)
-
-    def reserve(self, tokens: int) -> None:
-        if tokens > self.length:  # the pages exist: SGLang allocated them
-            raise InputError(
-                f"{tokens} positions do not fit the call's pages (up to position {self.length})"
-            )
-        self._reserved = tokens
-        self.committed = 0
-
-    def write(self, kv: np.ndarray[Any, Any], start: int, count: int) -> None:
-        check_payload(self._layout, kv, count)
-        check_span(start, count, self._reserved)
-        for host, at, n in self._pieces(start, start + count):
-            host[...] = kv[:, :, at : at + n].transpose(_TO_HOST[self._host_layout])
-
-    def commit(self, tokens: int) -> None:
-        self.committed = tokens
-        self._reserved = 0
-
-    def abort(self) -> None:
-        self.committed = 0
-        self._reserved = 0
 
 
 class KvcHiCacheStorage(HiCacheStorage):
@@ -600,8 +499,8 @@ class KvcHiCacheStorage(HiCacheStorage):
             return stored[0] if stored else None
         return prefix[::-1]
 
-    def _pages(self, buffer: torch.Tensor, base: int, starts: list[int]) -> _HostPages:
-        return _HostPages(buffer, self.host_layout, self.layout, self.page_size, base, starts)
+    def _pages(self, buffer: torch.Tensor, base: int, starts: list[int]) -> HostPages:
+        return HostPages(buffer, self.host_layout, self.layout, self.page_size, base, starts)
 
     def _load(
         self,

@@ -4,7 +4,7 @@ a vLLM request's blocks and SGLang's host pool pages, on CPU tensors in each eng
 Each `Engine` below builds the seam's objects the way its adapter does (`PoolDestination` and
 `Lease` over a `PagePool`; `CacheDestination` and `CacheSnapshot` over a tiny Llama's
 `DynamicCache`; `BlockTable` over `layer_views` of vLLM's `[blocks, kv heads, block size,
-2 * head size]` tensors; `_HostPages` over an MHA host pool's `kv_buffer` in both of SGLang's
+2 * head size]` tensors; `HostPages` over an MHA host pool's `kv_buffer` in both of SGLang's
 layouts) and reads what the engine would see through the engine's own objects, never through the
 seam under test. SGLang's host pool is its real `MHATokenToKVPoolHost` (tests/sglang/harness.py):
 the SGLang cases run in SGLang's own environment (`./scripts/test` runs this file there with
@@ -262,7 +262,7 @@ class VllmEngine(Engine):
         }
 
     def _table(self, **kw: Any) -> Any:
-        from restore.engines.vllm import BlockTable, layer_views
+        from restore.engines.vllm_blocks import BlockTable, layer_views
 
         views = layer_views(self.raw, self.names, self.layout, self.BLOCK)
         return BlockTable(views, self.layout, self.BLOCK, self.TABLE, **kw)
@@ -308,7 +308,7 @@ class VllmEngine(Engine):
 
 
 class SGLangEngine(Engine):
-    """SGLang: the backend's `_HostPages` over an MHA host pool's `kv_buffer`."""
+    """SGLang: the backend's `HostPages` over an MHA host pool's `kv_buffer`."""
 
     host_layout = "layer_first"
     PAGE = 8
@@ -328,9 +328,9 @@ class SGLangEngine(Engine):
         self.host.kv_buffer.copy_(torch.randn(self.host.kv_buffer.shape, generator=g))
 
     def _pages(self) -> Any:
-        from restore.engines.sglang import _HostPages
+        from restore.engines.sglang_pages import HostPages
 
-        return _HostPages(
+        return HostPages(
             self.host.kv_buffer, self.host_layout, self.layout, self.PAGE, 0, list(self.STARTS)
         )
 
