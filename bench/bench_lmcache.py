@@ -63,6 +63,7 @@ from transformers import DynamicCache
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_hf import CHUNK, QWEN2_05B
+from damage import damage_file
 
 from catalog.catalog import Catalog
 from chunkstore import open_store
@@ -204,15 +205,7 @@ def kvc_damaged(
         for k in set(local.keys()) - before
     }
     path = blobs[CHUNK]
-    size = path.stat().st_size
-    if damage == "flip":
-        with path.open("r+b") as f:
-            f.seek(size // 2)
-            byte = f.read(1)[0]
-            f.seek(size // 2)
-            f.write(bytes([byte ^ 0xFF]))
-    else:
-        os.truncate(path, size // 2)
+    damage_file(path, damage)
     adapter.restore([*tokens_of(n, 0), 0])  # another request in between, as on the LMCache side
     try:
         cache, got = adapter.restore([*tokens, 0])

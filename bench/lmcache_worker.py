@@ -48,6 +48,7 @@ os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from damage import damage_file  # noqa: E402
 from lmcache.v1.cache_engine import LMCacheEngine, LMCacheEngineBuilder  # noqa: E402
 from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
 from lmcache.v1.gpu_connector import GPUConnectorInterface  # noqa: E402
@@ -185,15 +186,7 @@ class Worker:
         kv = -self.kv[n]
         self.store(n, variant, kv)
         path = self.chunk_path(n, variant, 1)
-        size = path.stat().st_size
-        if damage == "flip":
-            with path.open("r+b") as f:
-                f.seek(size // 2)
-                byte = f.read(1)[0]
-                f.seek(size // 2)
-                f.write(bytes([byte ^ 0xFF]))
-        else:
-            os.truncate(path, size // 2)
+        damage_file(path, damage)
         self.retrieve(n, "disk")  # another request in between, as in any cache's life
         self.out[n].zero_()
         try:
