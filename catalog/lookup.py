@@ -31,10 +31,6 @@ from catalog.models import (
 )
 from catalog.schema import (
     HEAD_TOKENS,
-    Chunk,
-    Hash,
-    PrefixNode,
-    Replica,
 )
 from catalog.transactions import Database
 
@@ -154,17 +150,7 @@ class Lookups:
                 rows += result.cursor.fetchall()
             finally:
                 result.close()
-        out: dict[bytes, _ChunkRow] = {}
-        get = out.get
-        for r in rows:
-            # Columns 5-14 are exactly a ReplicaInfo's fields (the last five NULL).
-            rep = _new(ReplicaInfo, r[5:])
-            prev = get(r[0])
-            if prev is None:
-                out[r[0]] = (r, (rep,))
-            else:
-                out[r[0]] = (prev[0], _best_first((*prev[1], rep)))
-        return out
+        return _fold(rows)
 
     def _best_sibling(
         self,
@@ -175,24 +161,27 @@ class Lookups:
         parent: bytes,
         q_be: bytes,
     ) -> tuple[_ChunkRow, int] | None:
-        rows = conn.execute(
-            _sibling_statement(conn.dialect.name),
-            {
-                "ns": ns_id,
-                "fp": fp_hex,
-                "layer_lo": shard.layer_lo,
-                "layer_hi": shard.layer_hi,
-                "head_lo": shard.head_lo,
-                "head_hi": shard.head_hi,
-                "parent": parent,
-                "q_head": q_be[: 4 * HEAD_TOKENS],
-                "q_be": q_be,
-            },
-        ).all()
-        tokens_of = {r.prefix_hash: r.tokens_be for r in rows}
+        """The stored child of `parent` sharing the longest leading tokens with `q_be`
+        (big-endian token ids), and how many it shares; None if none shares any."""
+        params = {
+            "ns": ns_id,
+            "fp": fp_hex,
+            "layer_lo": shard.layer_lo,
+            "layer_hi": shard.layer_hi,
+            "head_lo": shard.head_lo,
+            "head_hi": shard.head_hi,
+            "parent": parent,
+            "q_head": q_be[: 4 * HEAD_TOKENS],
+            "q_be": q_be,
+        }
+        result = conn.exec_driver_sql(_sibling_sql(conn.dialect.name), params)
+        try:
+            rows = result.cursor.fetchall()
+        finally:
+            result.close()
         best: tuple[_ChunkRow, int] | None = None
-        for h, row in sorted(_group(rows).items()):
-            shared = _common_prefix(q_be, tokens_of[h])
+        for _, row in sorted(_fold(rows).items()):
+            shared = _common_prefix(q_be, row[0][_SIBLING_TOKENS])
             if shared > (best[1] if best else 0):
                 best = (row, shared)
         return best
@@ -209,157 +198,121 @@ def _common_prefix(a: bytes, b: bytes) -> int:
     return int(diff[0]) if diff.size else n
 
 
-@functools.cache
-def _sibling_statement(dialect: str) -> Any:
-    """The best-sibling probe of a lookup, built once per dialect with bind parameters.
-
-    The sibling sharing the longest prefix with q is q's neighbour in token order.
-    The index orders siblings by their first HEAD_TOKENS ids only: two probes find
-    the neighbours by that head, and two more order just the siblings whose head
-    equals q's by their full token ids (the rare case of siblings agreeing on their
-    first HEAD_TOKENS tokens). All in one statement, so one round trip. Built once
-    (not per lookup) so SQLAlchemy's compiled cache and psycopg's prepared
-    statements apply: building it cost more than running it.
-
-    Every chunk row is reached through the identity index with its prefix hash, whatever
-    the statistics say. PostgreSQL planning a young or fast-growing catalog (no
-    statistics yet: every condition looks like it matches one row) otherwise turned the
-    `usable` check into a scan of all the fingerprint's chunks per sibling and the final
-    join into a scan of all of them against the candidates: 0.5 ms became 600-800 ms
-    with 1,250 chunks. So the check keeps its own per-row plan (`OFFSET 0`: PostgreSQL
-    does not flatten it into a join) and, on PostgreSQL, the candidates are handed to the
-    final query as an array that its index condition takes (`= ANY`).
-    """
-    fp = sa.bindparam("fp", type_=sa.String())
-    layer_lo, layer_hi, head_lo, head_hi = (
-        sa.bindparam(name, type_=sa.Integer())
-        for name in ("layer_lo", "layer_hi", "head_lo", "head_hi")
-    )
-    q_head = sa.bindparam("q_head", type_=Hash)
-    q_be = sa.bindparam("q_be", type_=sa.LargeBinary())
-    ns = sa.bindparam("ns", type_=sa.Integer())
-    ident = (
-        Chunk.fingerprint == fp,
-        Chunk.layer_lo == layer_lo,
-        Chunk.layer_hi == layer_hi,
-        Chunk.head_lo == head_lo,
-        Chunk.head_hi == head_hi,
-        Chunk.state == "ready",
-    )
-    usable = (
-        sa.select(sa.literal(1))
-        .select_from(Chunk)
-        .join(Replica, Replica.blob_key == Chunk.blob_key)
-        .where(
-            Chunk.prefix_hash == PrefixNode.prefix_hash,
-            *ident,
-            # The outer node's namespace (already `ns`), not the parameter: a constant here
-            # would let PostgreSQL start from the namespace's replica rows instead.
-            Replica.namespace_id == PrefixNode.namespace_id,
-            Replica.state.in_(USABLE_STATES),
-        )
-        .offset(0)
-        .exists()
-    )
-    base = sa.select(PrefixNode.prefix_hash).where(
-        PrefixNode.parent_hash == sa.bindparam("parent", type_=Hash),
-        PrefixNode.namespace_id == ns,
-        PrefixNode.quarantined.is_(False),
-        usable,
-    )
-    head, full = PrefixNode.tokens_head, PrefixNode.tokens_be
-    same = base.where(head == q_head)
-    probes = [
-        base.where(head <= q_head).order_by(head.desc()).limit(1),
-        base.where(head > q_head).order_by(head.asc()).limit(1),
-        same.where(full <= q_be).order_by(full.desc()).limit(1),
-        same.where(full > q_be).order_by(full.asc()).limit(1),
-    ]
-    # At most four candidates, computed once: materialized, so that no plan (say one
-    # made on a young table's stale statistics) re-runs the probes per chunk row.
-    candidates = (
-        sa.union_all(*(sa.select(p.subquery()) for p in probes))
-        .cte("sibling_candidates")
-        .prefix_with("MATERIALIZED", dialect="postgresql")
-    )
-    return (
-        sa.select(
-            Chunk.prefix_hash,
-            PrefixNode.parent_hash,
-            Chunk.blob_key,
-            PrefixNode.token_start,
-            PrefixNode.token_count,
-            Chunk.codec,
-            Chunk.stored_bytes,
-            Chunk.kv_bytes,
-            Replica.location,
-            Replica.tier,
-            Replica.state,
-            Replica.size,
-            Replica.worker,
-            PrefixNode.tokens_be,
-        )
-        .join(PrefixNode, PrefixNode.prefix_hash == Chunk.prefix_hash)
-        .join(Replica, Replica.blob_key == Chunk.blob_key)
-        .where(
-            *ident,
-            # The candidates are `ns`'s nodes (the probes filter on it); naming the
-            # constant again here would let PostgreSQL start from the namespace's rows.
-            PrefixNode.quarantined.is_(False),
-            Replica.namespace_id == PrefixNode.namespace_id,
-            Replica.state.in_(USABLE_STATES),
-            Chunk.prefix_hash
-            == sa.func.any(sa.func.array(sa.select(candidates.c.prefix_hash).scalar_subquery()))
-            if dialect == "postgresql"
-            else Chunk.prefix_hash.in_(sa.select(candidates.c.prefix_hash)),
-        )
-    )
-
-
 _ChunkRow = tuple[Any, tuple[ReplicaInfo, ...]]
 
 
-def _chunk_match(row: _ChunkRow, used: int) -> ChunkMatch:
-    r, replicas = row
-    return ChunkMatch(
-        r.prefix_hash,
-        r.parent_hash,
-        r.blob_key,
-        r.token_start,
-        r.token_count,
-        used,
-        r.codec,
-        r.stored_bytes,
-        r.kv_bytes,
-        replicas,
-    )
-
-
-def _group(rows: Sequence[Any]) -> dict[bytes, _ChunkRow]:
-    """Fold chunk x replica rows into one entry per chunk, replicas best tier first."""
+def _fold(rows: Sequence[Any]) -> dict[bytes, _ChunkRow]:
+    """Chunk x replica rows (`_HOT_COLUMNS` first) folded into one entry per chunk: its
+    first row, and its replicas best tier first."""
     out: dict[bytes, _ChunkRow] = {}
+    get = out.get
     for r in rows:
-        h = r.prefix_hash
-        rep = ReplicaInfo(r.location, r.tier, r.state, r.size, r.worker)
-        prev = out.get(h)
+        # Columns 5-14 are exactly a ReplicaInfo's fields (the last five NULL).
+        rep = _new(ReplicaInfo, r[5:15])
+        prev = get(r[0])
         if prev is None:
-            out[h] = (r, (rep,))
+            out[r[0]] = (r, (rep,))
         else:
-            out[h] = (prev[0], _best_first((*prev[1], rep)))
+            out[r[0]] = (prev[0], _best_first((*prev[1], rep)))
     return out
 
 
-_HOT_SELECT = (
-    "SELECT c.prefix_hash, c.blob_key, c.codec, c.stored_bytes, c.kv_bytes,"
+def _chunk_match(row: _ChunkRow, used: int) -> ChunkMatch:
+    """The plan entry of a sibling row (`_sibling_sql`'s columns)."""
+    r, replicas = row
+    return _new(ChunkMatch, (r[0], r[15], r[1], r[16], r[17], used, r[2], r[3], r[4], replicas))
+
+
+# A chunk's columns as both statements select them: the chunk, then its replica's
+# columns in ReplicaInfo's order (the five it does not need NULL).
+_HOT_COLUMNS = (
+    "c.prefix_hash, c.blob_key, c.codec, c.stored_bytes, c.kv_bytes,"
     " r.location, r.tier, r.state, r.size, r.worker, NULL, NULL, NULL, NULL, NULL"
-    " FROM chunks c JOIN replicas r ON r.blob_key = c.blob_key"
-    " WHERE c.prefix_hash {hashes}"
-    " AND c.fingerprint = {p} AND c.layer_lo = {p} AND c.layer_hi = {p}"
-    " AND c.head_lo = {p} AND c.head_hi = {p} AND c.state = 'ready'"
-    " AND r.namespace_id = {p} AND r.state IN ('durable', 'ready')"
+)
+_IDENTITY = (
+    "c.fingerprint = {fp} AND c.layer_lo = {layer_lo} AND c.layer_hi = {layer_hi}"
+    " AND c.head_lo = {head_lo} AND c.head_hi = {head_hi} AND c.state = 'ready'"
+)
+_USABLE_REPLICA = "r.state IN (" + ", ".join(f"'{s}'" for s in USABLE_STATES) + ")"
+_SIBLING_TOKENS = 18  # the column of a sibling row holding its token ids
+
+# One of the four neighbour probes of the best-sibling statement: the child of `parent`
+# nearest q in token order on one side. The sibling sharing the longest prefix with q is
+# q's neighbour in token order; the index orders siblings by their first HEAD_TOKENS ids
+# only, so two probes find the neighbours by that head, and two more order just the
+# siblings whose head equals q's by their full token ids (the rare case of siblings
+# agreeing on their first HEAD_TOKENS tokens).
+_PROBE = (
+    "SELECT p.prefix_hash FROM prefixes p{by_parent}"
+    # The namespace is checked, never searched by (`+ 0`): the index by namespace and head
+    # would walk every node of the namespace to find the children of one parent (planners
+    # without statistics, and SQLite's always, took it: the probe grew with the namespace).
+    " WHERE p.parent_hash = {parent} AND p.namespace_id + 0 = {ns} AND NOT p.quarantined"
+    " AND {side}"
+    # A usable chunk of this node: its own per-row plan (`OFFSET 0`: PostgreSQL does not
+    # flatten it into a join, which without statistics became a scan of every chunk of the
+    # fingerprint per sibling).
+    " AND EXISTS (SELECT 1 FROM chunks c JOIN replicas r ON r.blob_key = c.blob_key"
+    " WHERE c.prefix_hash = p.prefix_hash AND " + _IDENTITY + " AND r.namespace_id = p.namespace_id"
+    " AND " + _USABLE_REPLICA + " LIMIT 1 OFFSET 0)"
+    " ORDER BY {order} LIMIT 1"
+)
+_SIDES = (
+    ("p.tokens_head <= {q_head}", "p.tokens_head DESC"),
+    ("p.tokens_head > {q_head}", "p.tokens_head ASC"),
+    ("p.tokens_head = {q_head} AND p.tokens_be <= {q_be}", "p.tokens_be DESC"),
+    ("p.tokens_head = {q_head} AND p.tokens_be > {q_be}", "p.tokens_be ASC"),
+)
+
+
+@functools.cache
+def _sibling_sql(dialect: str) -> str:
+    """The best-sibling statement of a lookup (one round trip), as driver SQL with named
+    parameters: the four neighbour probes (`_PROBE`), then those candidates' usable chunk
+    rows, replicas and token ids.
+
+    Plain driver SQL with cached text, like the hot statement: built with SQLAlchemy Core
+    it ran 15 times slower on SQLite (0.44 ms against 0.03) and cost more to execute than
+    to run. The candidates (at most four) are computed once: materialized, so that no plan
+    (say one made on a young table's stale statistics) re-runs the probes per chunk row,
+    and on PostgreSQL handed to the final query as an array its index condition takes
+    (`= ANY`), so every chunk row is reached through the identity index.
+    """
+    pg = dialect == "postgresql"
+    names = ("fp", "layer_lo", "layer_hi", "head_lo", "head_hi", "parent", "ns", "q_head", "q_be")
+    marks = {n: f"%({n})s" if pg else f":{n}" for n in names}
+    by_parent = "" if pg else " INDEXED BY ix_prefixes_parent_head"
+    probes = " UNION ALL ".join(
+        "SELECT prefix_hash FROM ("
+        + _PROBE.format(by_parent=by_parent, side=side, order=order, **marks)
+        + f") t{i}"
+        for i, (side, order) in enumerate(_SIDES)
+    ).format(**marks)
+    candidates = (
+        "c.prefix_hash = ANY(ARRAY(SELECT prefix_hash FROM sibling_candidates))"
+        if pg
+        else "c.prefix_hash IN (SELECT prefix_hash FROM sibling_candidates)"
+    )
+    return (
+        f"WITH sibling_candidates AS {'MATERIALIZED ' if pg else ''}({probes})"
+        f" SELECT {_HOT_COLUMNS}, n.parent_hash, n.token_start, n.token_count, n.tokens_be"
+        " FROM chunks c JOIN prefixes n ON n.prefix_hash = c.prefix_hash"
+        " JOIN replicas r ON r.blob_key = c.blob_key"
+        f" WHERE {candidates} AND {_IDENTITY.format(**marks)} AND NOT n.quarantined"
+        # The candidates are the namespace's nodes (the probes check it).
+        f" AND r.namespace_id = n.namespace_id AND {_USABLE_REPLICA}"
+    )
+
+
+_HOT_SELECT = (
+    "SELECT " + _HOT_COLUMNS + " FROM chunks c JOIN replicas r ON r.blob_key = c.blob_key"
+    " WHERE c.prefix_hash {hashes} AND "
+    + _IDENTITY.format(fp="{p}", layer_lo="{p}", layer_hi="{p}", head_lo="{p}", head_hi="{p}")
+    + " AND r.namespace_id = {p} AND "
+    + _USABLE_REPLICA
     # Quarantined nodes are few: probe only their partial index (SQLite would
     # otherwise pick the primary key and read every node's row).
-    " AND NOT EXISTS (SELECT 1 FROM prefixes q{indexed}"
+    + " AND NOT EXISTS (SELECT 1 FROM prefixes q{indexed}"
     " WHERE q.prefix_hash = c.prefix_hash AND q.quarantined)"
 )
 _HOT_SQL_PG = _HOT_SELECT.format(hashes="= ANY(%s)", p="%s", indexed="")

@@ -313,6 +313,54 @@ def test_a_young_catalog_reaches_sibling_chunks_by_prefix_hash(catalog_url: str)
         cat.close()
 
 
+def test_the_sibling_probe_searches_one_parents_children_not_the_namespace(
+    catalog_url: str,
+) -> None:
+    """A lookup ending inside a chunk probes the children of the last matched node. An index
+    by (namespace, head) once drew both planners (SQLite always; PostgreSQL without
+    statistics) into walking the namespace's every node in head order instead: the probe
+    grew with the namespace (0.03 ms at 4 nodes, 0.5 ms at 2,400)."""
+    cat = Catalog.open(catalog_url, upgrade=True)
+    try:
+        cat.ensure_namespace("default", CS)
+        base = TOKENS[:4]
+        recs = chain_records("default", [*base, 5, 6, 7, 8])
+        # Many nodes of the namespace under other parents, their heads on both sides of q's.
+        for i in range(300):
+            recs += chain_records("default", [i, 1, 2, 3, 5, 6, 7, i % 9])
+        cat.record_chunks(recs)
+        plans: list[list[str]] = []
+
+        @sa.event.listens_for(cat.engine, "before_cursor_execute", retval=True)
+        def explain(conn: Any, cursor: Any, statement: str, params: Any, *_: Any) -> Any:
+            if "sibling_candidates" not in statement:
+                return statement, params
+            if catalog_url.startswith("postgresql"):
+                cursor.execute("EXPLAIN (FORMAT JSON) " + statement, params)
+                nodes = _plan_nodes(cursor.fetchone()[0][0]["Plan"])
+                plans.append(
+                    [
+                        f"{n['Node Type']} {n.get('Index Cond', '')}"
+                        for n in nodes
+                        if n.get("Relation Name") == "prefixes" and n.get("Alias") == "p"
+                    ]
+                )
+            else:
+                cursor.execute("EXPLAIN QUERY PLAN " + statement, params)
+                plans.append([str(r[-1]) for r in cursor.fetchall() if " p " in f" {r[-1]} "])
+            return statement, params
+
+        m = cat.lookup("default", FP, [*base, 5, 6, 9, 9, 9])
+        sa.event.remove(cat.engine, "before_cursor_execute", explain)
+        assert m.matched_tokens == 6 and len(plans) == 1
+        probes = plans[0]
+        assert probes, "the probes read no prefixes?"
+        for probe in probes:
+            assert "parent_hash" in probe, probes
+    finally:
+        cat.close()
+
+
 # What reads every row of these tables grows with the whole catalog (issue 29: at ten
 # million chunks, seconds per GC run or `kvc stats`), not with what it asks for.
 _LARGE_TABLES = ("chunks", "replicas", "prefixes")
