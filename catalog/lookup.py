@@ -32,7 +32,7 @@ from catalog.models import (
 from catalog.schema import (
     HEAD_TOKENS,
 )
-from catalog.transactions import Database
+from catalog.transactions import Database, driver_rows
 
 if TYPE_CHECKING:
     from catalog.access import AccessLog
@@ -144,12 +144,7 @@ class Lookups:
             else:
                 sql = _HOT_SQL_PG
                 params = (batch, *ident)
-            # Raw driver rows: a Row per chunk x replica costs more than the row itself.
-            result = conn.exec_driver_sql(sql, params)
-            try:
-                rows += result.cursor.fetchall()
-            finally:
-                result.close()
+            rows += driver_rows(conn, sql, params)
         return _fold(rows)
 
     def _best_sibling(
@@ -174,11 +169,7 @@ class Lookups:
             "q_head": q_be[: 4 * HEAD_TOKENS],
             "q_be": q_be,
         }
-        result = conn.exec_driver_sql(_sibling_sql(conn.dialect.name), params)
-        try:
-            rows = result.cursor.fetchall()
-        finally:
-            result.close()
+        rows = driver_rows(conn, _sibling_sql(conn.dialect.name), params)
         best: tuple[_ChunkRow, int] | None = None
         for _, row in sorted(_fold(rows).items()):
             shared = _common_prefix(q_be, row[0][_SIBLING_TOKENS])

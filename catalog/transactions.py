@@ -65,6 +65,39 @@ def _unreachable(exc: DBAPIError) -> bool:
 _GC_LOCK_CLASS = 0x6B7663
 
 
+def driver_rows(conn: sa.Connection, sql: str, params: Any) -> list[Any]:
+    """The rows of one statement in the driver's own SQL and parameter style, as the driver
+    returns them, in `conn`'s transaction (begun here if none is).
+
+    For the lookup's hot statements: SQLAlchemy's result object (a column map built per
+    execution) cost more than running them. What SQLAlchemy would do around a statement
+    is kept: its `before_cursor_execute` / `after_cursor_execute` listeners (tracing,
+    statement logs) see it, and driver errors come out as its `DBAPIError` (`read` and
+    `write` map them).
+    """
+    if not conn.in_transaction():
+        conn.begin()  # SQLite's BEGIN (the engine's "begin" event); psycopg's is implicit
+    cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+    error = conn.dialect.loaded_dbapi.Error
+    try:
+        for before in conn.dispatch.before_cursor_execute:
+            sql, params = before(conn, cursor, sql, params, None, False)
+        cursor.execute(sql, params)
+        rows = list(cursor.fetchall())
+        for after in conn.dispatch.after_cursor_execute:
+            after(conn, cursor, sql, params, None, False)
+        return rows
+    except error as exc:
+        # As SQLAlchemy does: a lost connection is invalidated (the pool replaces it) so
+        # that nothing else is sent on it and this error is the one reported.
+        lost = conn.dialect.is_disconnect(exc, conn.connection.dbapi_connection, cursor)
+        if lost:
+            conn.invalidate()
+        raise DBAPIError.instance(sql, params, exc, error, connection_invalidated=lost) from exc
+    finally:
+        cursor.close()
+
+
 def _gc_lock_key(ns_id: int) -> Any:
     return sa.cast((_GC_LOCK_CLASS << 32) | ns_id, sa.BigInteger)
 

@@ -13,6 +13,7 @@ import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -454,6 +455,47 @@ def test_an_unreachable_catalog_is_unavailable_not_a_bug(impl: Impl) -> None:
     with pytest.raises(CatalogUnavailableError) as err:
         impl.unreachable().lookup(NS, FP, [*TOKENS, 7])
     assert isinstance(err.value, ConnectionError)
+
+
+def test_a_connection_lost_under_a_lookup_is_unavailable_then_replaced(postgres_url: str) -> None:
+    """The lookup's statements run on the driver's cursor (`driver_rows`): a server that
+    drops the pooled connection still gives `CatalogUnavailableError` (not the driver's own
+    error, naming what the server said), and the next lookup gets a working connection."""
+    import sqlalchemy as sa
+
+    cat = Catalog.open(postgres_url, upgrade=True)
+    admin = sa.create_engine(postgres_url, isolation_level="AUTOCOMMIT")
+    try:
+        cat.ensure_namespace(NS, CS)
+        cat.record_chunks(chain_records(NS, TOKENS))
+        prompt = [*TOKENS[:-1], 99, 7]  # ends inside the last chunk: both lookup statements
+        assert cat.lookup(NS, FP, prompt).matched_tokens == len(TOKENS) - 1
+        database = sa.make_url(postgres_url).database
+        killed = 0
+
+        def kill_backends(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
+            nonlocal killed
+            if "sibling_candidates" in statement and not killed:
+                with admin.connect() as a:
+                    killed = a.execute(
+                        sa.text(
+                            "SELECT count(pg_terminate_backend(pid, 5000)) FROM pg_stat_activity"
+                            " WHERE datname = :d AND pid <> pg_backend_pid()"
+                        ),
+                        {"d": database},
+                    ).scalar_one()
+
+        sa.event.listen(cat.engine, "before_cursor_execute", kill_backends)
+        with pytest.raises(CatalogUnavailableError) as ei:
+            cat.lookup(NS, FP, prompt)
+        # The statement's own failure is reported, not a later one from the broken connection.
+        assert "administrator command" in str(ei.value)
+        assert killed
+        sa.event.remove(cat.engine, "before_cursor_execute", kill_backends)
+        assert cat.lookup(NS, FP, prompt).matched_tokens == len(TOKENS) - 1
+    finally:
+        admin.dispose()
+        cat.close()
 
 
 def test_a_connection_lost_while_committing_is_outcome_unknown(postgres_url: str) -> None:

@@ -238,6 +238,11 @@ class CacheBuilder:
         self._ready = [_copy(layers[shard.layer_lo + i]) for i in range(layout.num_layers)]
         for layer in self._ready:
             layer.lazy_initialization(nothing, nothing)
+        # Per slab layer: its window (positions it keeps past the newest) or None for all.
+        self._windows = [
+            layer.sliding_window - 1 if isinstance(layer, DynamicSlidingWindowLayer) else None
+            for layer in self._ready
+        ]
 
     def destination(self) -> CacheDestination:
         return CacheDestination(self)
@@ -246,20 +251,27 @@ class CacheBuilder:
         """A DynamicCache whose slab layers hold positions `[0, tokens)` of `kv` (`[L, 2, T, H,
         D]`) as `[1, H, tokens, D]` views; the other layers are empty."""
         cache = _copy(self._empty)
-        cache.layers = [_copy(layer) for layer in self._empty.layers]
+        lo, hi = self.shard.layer_lo, self.shard.layer_hi
+        empty = self._empty.layers
         # [L, 2, T, H, D] -> 2L views [1, H, T, D] (K, V, K, V, ...) in one call.
         views = kv[:, :, :tokens].transpose(2, 3).unsqueeze(2).flatten(0, 1).unbind(0)
-        lo = self.shard.layer_lo
-        for i, ready in enumerate(self._ready):
+        slab = []
+        for i, (ready, window) in enumerate(zip(self._ready, self._windows, strict=True)):
             layer = _copy(ready)
-            start = 0
-            if isinstance(layer, DynamicSlidingWindowLayer):
+            keys, values = views[2 * i], views[2 * i + 1]
+            if window is not None:
                 # What the layer's own `update` leaves after `tokens` positions: the last
                 # `sliding_window - 1` of them, and the count of every position it has seen.
-                start = max(tokens - (layer.sliding_window - 1), 0)
+                start = max(tokens - window, 0)
+                keys, values = keys[:, :, start:], values[:, :, start:]
                 layer.cumulative_length = tokens
-            layer.keys, layer.values = views[2 * i][:, :, start:], views[2 * i + 1][:, :, start:]
-            cache.layers[lo + i] = layer
+            layer.keys, layer.values = keys, values
+            slab.append(layer)
+        cache.layers = [
+            *(_copy(layer) for layer in empty[:lo]),
+            *slab,
+            *(_copy(layer) for layer in empty[hi:]),
+        ]
         return cache
 
 
