@@ -254,6 +254,8 @@ def build(cat: Catalog, size: int, namespaces: int) -> float:
                 acc.extend(part)
         keep = size - n
         with cat.engine.execution_options(kvc_write=True).begin() as conn:
+            if conn.dialect.name == "postgresql":  # the fill's commits need not wait for WAL
+                conn.exec_driver_sql("SET LOCAL synchronous_commit = off")
             for table, part in zip((PrefixNode, Chunk, Replica), rows, strict=True):
                 _insert(conn, table, part[:keep])
         n += min(keep, len(rows[0]))
@@ -271,15 +273,34 @@ def build(cat: Catalog, size: int, namespaces: int) -> float:
 
 
 def _insert(conn: sa.Connection, table: Any, rows: list[dict[str, Any]]) -> None:
-    """Plain INSERTs (SQLite) or COPY (PostgreSQL) of these rows, in the caller's transaction."""
+    """Plain INSERTs (SQLite) or COPY (PostgreSQL) of these rows, in the caller's transaction.
+
+    The COPY is fed text made here, one write per table and batch: psycopg's `write_row`
+    adapts every value on its own and held the fill to about 3k chunks/s."""
     if conn.dialect.name != "postgresql" or not rows:
         conn.execute(sa.insert(table), rows)
         return
     cols = list(rows[0])
+    text = "".join("\t".join(map(_copy_text, r.values())) + "\n" for r in rows)
     cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
     with cur.copy(f"COPY {table.__tablename__} ({', '.join(cols)}) FROM STDIN") as copy:
-        for r in rows:
-            copy.write_row([r[c] for c in cols])
+        copy.write(text.encode())
+
+
+_COPY_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
+
+
+def _copy_text(value: Any) -> str:
+    """One value in COPY's text format."""
+    if value is None:
+        return "\\N"
+    if isinstance(value, bool):
+        return "t" if value else "f"
+    if isinstance(value, bytes):
+        return "\\\\x" + value.hex()  # bytea hex, its backslash escaped for COPY
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return str(value).translate(_COPY_ESCAPES)
 
 
 def floor_sql(dialect: str, n: int, *, by_identity: bool = True) -> str:
