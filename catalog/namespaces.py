@@ -170,24 +170,24 @@ def _namespace_replicas(conn: sa.Connection, ns_id: int) -> list[Any]:
 
     Replicas have no index by namespace (one drew SQLite's lookups into reading a
     namespace's every replica per chunk), so counting them by namespace read the whole
-    table: seconds at millions of chunks for one namespace's numbers. A replica of the
-    namespace names a blob of one of its chunks, except those an interrupted GC left
-    `deleting` after purging the chunk: the first are reached from the namespace's chunk
-    rows by key, the second through the small partial index of `deleting` replicas.
+    table: 2 s at 7.3M chunks for one namespace's 74k. A replica of the namespace names
+    the blob of one of its chunks (a blob's header names its one chunk), except those an
+    interrupted GC left `deleting` after purging the chunk: the first are reached from
+    the namespace's nodes, chunk by chunk, by key (the join names the node's namespace,
+    not the constant, so that no planner starts from the replicas), the second through
+    the small partial index of `deleting` replicas.
     """
-    own_blobs = (
-        sa.select(Chunk.blob_key)
-        .join(PrefixNode, PrefixNode.prefix_hash == Chunk.prefix_hash)
-        .where(PrefixNode.namespace_id == ns_id)
-    )
     counts: dict[str, int] = {}
     for state, n in conn.execute(
         sa.select(Replica.state, sa.func.count())
-        .where(
-            Replica.namespace_id == ns_id,
-            Replica.blob_key.in_(own_blobs),
-            Replica.state != "deleting",
+        .select_from(PrefixNode)
+        .join(Chunk, Chunk.prefix_hash == PrefixNode.prefix_hash)
+        .join(
+            Replica,
+            (Replica.blob_key == Chunk.blob_key)
+            & (Replica.namespace_id == PrefixNode.namespace_id),
         )
+        .where(PrefixNode.namespace_id == ns_id, Replica.state != "deleting")
         .group_by(Replica.state)
     ):
         counts[state] = n
