@@ -2,7 +2,7 @@
 
 Usage (repository root, project venv):
 
-    python bench/profile_lookup.py [--size 10000] [--backend sqlite|postgres] [--tokens 131072] [--reps 50]
+    python bench/profile_lookup.py [--size 10000] [--backend sqlite|postgres] [--tokens 131072] [--reps 50] [--namespaces 100]
 
 Builds (or, for SQLite, reuses from bench_catalog's cache) a catalog of
 `--size` chunks, then runs, interleaved, `--reps` times each:
@@ -37,17 +37,8 @@ import sqlalchemy as sa
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_catalog import (
-    CS,
-    DATA_VERSION,
-    FP,
-    SHARD,
-    build,
-    chain,
-    fetch_plan_rows,
-    floor_params,
-    floor_sql,
-)
+from bench_catalog import fetch_plan_rows, floor_params, floor_sql
+from catalog_data import CS, DATA_VERSION, FP, SHARD, build, chain
 
 from catalog.catalog import Catalog
 from catalog.database import head_revision
@@ -110,16 +101,17 @@ def main() -> None:
     ap.add_argument("--backend", default="sqlite", choices=("sqlite", "postgres"))
     ap.add_argument("--tokens", type=int, default=131_072)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--namespaces", type=int, default=100, help="as bench_catalog's")
     ap.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "kvc-bench-catalog-cache"))
     args = ap.parse_args()
     if args.backend == "sqlite":
-        path = Path(args.cache) / f"catalog-{args.size}-r{head_revision()}-d{DATA_VERSION}.db"
+        path = Path(args.cache) / f"catalog-{args.size}-n{args.namespaces}-r{head_revision()}-d{DATA_VERSION}.db"
         fresh = not path.exists()
         if fresh:
             path = Path(tempfile.mkdtemp(prefix="kvc-profile-")) / "catalog.db"
         cat = Catalog.open(f"sqlite:///{path}", upgrade=True)
         if fresh:
-            build(cat, args.size)
+            build(cat, args.size, args.namespaces)
         try:
             profile(cat, args.tokens, args.reps)
         finally:
@@ -130,7 +122,7 @@ def main() -> None:
         with start_postgres() as pg:
             cat = Catalog.open(pg.url, upgrade=True)
             try:
-                build(cat, args.size)
+                build(cat, args.size, args.namespaces)
                 profile(cat, args.tokens, args.reps)
             finally:
                 cat.close()
