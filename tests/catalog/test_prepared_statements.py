@@ -31,3 +31,19 @@ def test_a_lookups_statements_are_prepared_and_stay_prepared(postgres_url: str) 
     statements = [row[0] for row in prepared]
     assert any("FROM chunks c" in s for s in statements), statements
     assert any("sibling_candidates" in s for s in statements), statements
+
+
+def test_a_read_on_postgresql_sends_no_begin_or_commit(postgres_url: str) -> None:
+    """Each statement of a read is its own transaction: the read costs no BEGIN and no
+    COMMIT round trip, and leaves the connection idle, outside any transaction."""
+    with Catalog.open(postgres_url, upgrade=True, pool_size=1) as cat:
+        with cat.db.read() as conn:
+            first = conn.exec_driver_sql("SELECT now()").scalar_one()
+            conn.exec_driver_sql("SELECT pg_sleep(0.001)")
+            second = conn.exec_driver_sql("SELECT now()").scalar_one()
+            raw = conn.connection.driver_connection
+            assert raw is not None
+            status = raw.info.transaction_status.name
+        # now() is the start of the statement's transaction: one transaction per statement.
+        assert second > first
+        assert status == "IDLE"
