@@ -194,9 +194,22 @@ def test_every_worker_keeps_auth_limits_and_the_journal(served: Served) -> None:
     assert {name for _, name in refs} == {f"chat-{w}" for w in served.workers()}
 
 
-def test_sigint_stops_every_worker(served: Served) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_signal_stops_every_worker_and_removes_their_config(
+    served: Served, sig: signal.Signals
+) -> None:
+    """Ctrl-C and what a service manager sends: every worker exits, and the file holding
+    the catalog URL (with its password, on PostgreSQL) is not left behind."""
     workers = served.workers()
-    served.proc.send_signal(signal.SIGINT)
+    environ = Path(f"/proc/{workers[0]}/environ").read_bytes()
+    config = Path(
+        dict(v.split(b"=", 1) for v in environ.split(b"\0") if b"=" in v)[
+            b"KVC_SERVE_WORKER_CONFIG"
+        ].decode()
+    )
+    assert config.is_file()
+    served.proc.send_signal(sig)
     assert served.proc.wait(60) == 0
     for w in workers:
         wait_for(f"worker {w} exits", lambda w=w: not Path(f"/proc/{w}").exists(), 10)
+    assert not config.parent.exists()
