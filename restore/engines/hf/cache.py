@@ -131,7 +131,8 @@ class HostBuffers:
     13 GB/s into memory already touched). The tensors of a restored cache are views of
     one buffer, and transformers replaces them on its first forward (it concatenates
     into new tensors), so the buffer is free again by the next restore: when the last
-    view is gone it comes back here, and at most `keep_bytes` of idle buffers are kept.
+    view is gone it comes back here, and at most `keep_bytes` of idle buffers are kept
+    (the least recently given back are dropped first).
     New buffers are mapped in huge pages where the kernel can. Buffers under 2 MiB are
     malloc's, which recycles them itself. Thread-safe: a buffer comes back on whatever
     thread drops its last view.
@@ -191,12 +192,21 @@ class HostBuffers:
                 self._lock.release()
 
     def _sort_in(self) -> None:
-        """Move given-back buffers to the idle ones, then trim those to `keep_bytes` (under the lock)."""
+        """Move given-back buffers to the idle ones, newest last, then drop the least recently
+        given back until they fit `keep_bytes` (under the lock).
+
+        Least recently used, not largest first: prompts of one size come back, so the buffer
+        given back last is the likeliest to be asked for next. (Dropping the largest made
+        every 16k-token restore map new memory once two 4k and two 1k buffers sat idle
+        beside its 192 MiB: 178 instead of 55 ms.) A buffer larger than `keep_bytes` on its
+        own is not kept, and does not push out the others."""
         while self._returned:
-            self._idle.append(self._returned.popleft())
-        self._idle.sort(key=len, reverse=True)
-        while self._idle and sum(len(m) for m in self._idle) > self.keep_bytes:
-            self._idle.pop(0)  # the largest first: it would serve fewer restores
+            memory = self._returned.popleft()
+            if len(memory) <= self.keep_bytes:
+                self._idle.append(memory)
+        idle = sum(len(m) for m in self._idle)
+        while idle > self.keep_bytes:
+            idle -= len(self._idle.pop(0))
 
     def clear(self) -> None:
         """Drop the idle buffers (buffers in use come back and are kept as before)."""
