@@ -223,7 +223,9 @@ ADMIN_QUERIES = {
     " FROM v_namespace_usage ORDER BY stored_bytes DESC",
     "replicas unverified 7 days": "SELECT count(*) FROM v_replica_health"
     " WHERE last_verified_at IS NULL OR seconds_since_verified > 7 * 86400",
-    "chunks without a usable replica": "SELECT count(*) FROM v_chunks WHERE usable_replicas = 0",
+    "chunks without a usable replica": "SELECT count(*) FROM v_chunks v WHERE NOT EXISTS ("
+    " SELECT 1 FROM replicas r JOIN namespaces n ON n.id = r.namespace_id"
+    " WHERE r.blob_key = v.blob_key AND n.name = v.namespace AND r.state IN ('durable', 'ready'))",
     f"100 chunks of {GC_NAMESPACE}": "SELECT chunk_id, prefix, token_start, blob_key, replicas"
     f" FROM v_chunks WHERE namespace = '{GC_NAMESPACE}' LIMIT 100",
 }
