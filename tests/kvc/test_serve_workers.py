@@ -56,6 +56,14 @@ def healthy(base: str) -> bool:
         return False
 
 
+def worker_config_of(pid: int) -> Path:
+    """The config file a worker process was told to read (the only `KVC_SERVE_WORKER_*`
+    variable `kvc serve` passes on)."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes()
+    variables = dict(v.split(b"=", 1) for v in environ.split(b"\0") if b"=" in v)
+    return Path(variables[b"KVC_SERVE_WORKER_CONFIG"].decode())
+
+
 class Served:
     def __init__(self, proc: subprocess.Popen[bytes], base: str, store_url: str) -> None:
         self.proc, self.base, self.store_url = proc, base, store_url
@@ -130,9 +138,7 @@ def test_the_catalog_password_is_in_no_worker_environment(
         for pid in workers:
             environ = Path(f"/proc/{pid}/environ").read_bytes()
             assert password.encode() not in environ
-            config = dict(
-                v.split(b"=", 1) for v in environ.split(b"\0") if v.startswith(b"KVC_SERVE_WORKER")
-            )[b"KVC_SERVE_WORKER_CONFIG"]
+            config = worker_config_of(pid)
             assert (os.stat(config).st_mode & 0o777) == 0o600
             assert (os.stat(os.path.dirname(config)).st_mode & 0o777) == 0o700
         with s.remote() as rc:
@@ -201,12 +207,7 @@ def test_a_stop_signal_stops_every_worker_and_removes_their_config(
     """Ctrl-C and what a service manager sends: every worker exits, and the file holding
     the catalog URL (with its password, on PostgreSQL) is not left behind."""
     workers = served.workers()
-    environ = Path(f"/proc/{workers[0]}/environ").read_bytes()
-    config = Path(
-        dict(v.split(b"=", 1) for v in environ.split(b"\0") if b"=" in v)[
-            b"KVC_SERVE_WORKER_CONFIG"
-        ].decode()
-    )
+    config = worker_config_of(workers[0])
     assert config.is_file()
     served.proc.send_signal(sig)
     assert served.proc.wait(60) == 0
