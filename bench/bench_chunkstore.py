@@ -17,7 +17,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +26,8 @@ import blake3
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_restore import scratch_dir
 
 from chunkstore import ChunkStore, open_store
 from chunkstore.codecs import CODECS, DEFAULT_CODEC
@@ -162,7 +163,7 @@ def main() -> None:
     ap.add_argument("--no-s3", action="store_true", help="skip the S3 rows (no SeaweedFS)")
     args = ap.parse_args()
     kv = kv_like()
-    tmp = Path(tempfile.mkdtemp(prefix="kvc-bench-"))
+    tmp = scratch_dir("kvc-bench-chunkstore-")
     rows = floors(kv, tmp, args.reps) + alternatives(kv, tmp, args.reps)
     codec_rows, encoded = codecs(kv, args.reps)
     rows += codec_rows

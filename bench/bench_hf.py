@@ -55,7 +55,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_restore import interleaved, median_s, metered
+from bench_restore import interleaved, median_s, metered, scratch_dir
 
 from catalog.catalog import Catalog
 from chunkstore import ChunkStore, open_store
@@ -288,7 +288,7 @@ def main() -> None:
     ap.add_argument("--no-recompute", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="kvc-bench-hf-"))
+    tmp = scratch_dir("kvc-bench-hf-")
     model_dir = save_random_model(tmp / "qwen2-0.5b-shaped", "qwen2", seed=0, **QWEN2_05B)
     rows: list[dict[str, Any]] = []
 

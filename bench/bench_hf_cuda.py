@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_hf import CHUNK, QWEN2_05B
-from bench_restore import median_s
+from bench_restore import median_s, scratch_dir
 
 from catalog.catalog import Catalog
 from chunkstore import open_store
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return EXIT_NO_GPU
     model_type, config = MODELS[args.model]
-    tmp = Path(tempfile.mkdtemp(prefix="kvc-bench-hf-cuda-"))
+    tmp = scratch_dir("kvc-bench-hf-cuda-")
     model_dir = save_random_model(tmp / args.model, model_type, seed=0, **config)
     rows = []
     for dtype in args.dtypes.split(","):

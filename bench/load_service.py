@@ -34,7 +34,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -47,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
 
+from bench.bench_restore import scratch_dir
 from catalog import Catalog
 from catalog.remote import RemoteCatalog
 from catalog.wire import MatchModel
@@ -524,7 +524,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = ap.parse_args()
     with ExitStack() as stack:
-        tmp = Path(tempfile.mkdtemp(prefix="kvc-load-"))
+        tmp = scratch_dir("kvc-load-")
         db_pid = None
         if args.catalog == "sqlite":
             url = f"sqlite:///{tmp / 'catalog.db'}"

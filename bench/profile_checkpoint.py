@@ -22,7 +22,6 @@ import hashlib
 import os
 import pstats
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_checkpoint import CHUNK, FP, LAYOUT, PAGE, clear_dir, kv_like, tokens_for
+from bench.bench_restore import scratch_dir
 from catalog.catalog import Catalog
 from chunkstore import open_store
 from chunkstore.record import check_finite
@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--store", choices=["file", "s3"], default="file")
     args = ap.parse_args()
     n = args.tokens
-    tmp = Path(tempfile.mkdtemp(prefix="kvc-profile-checkpoint-"))
+    tmp = scratch_dir("kvc-profile-checkpoint-")
     k, v = kv_like(n)
     pool = PagePool(LAYOUT, page_size=PAGE, num_pages=n // PAGE + 2)
     route = pool.new_route()

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import timeit
 from collections.abc import Callable
 from pathlib import Path
@@ -52,7 +51,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
     n = args.tokens
-    tmp = Path(tempfile.mkdtemp(prefix="kvc-profile-restore-"))
+    tmp = br.scratch_dir("kvc-profile-restore-")
     k, v = br.kv_like(n + 1)
     toks = np.random.default_rng(1).integers(0, 50_000, n + 1).astype(np.uint32)
     src = PagePool(br.LAYOUT, page_size=br.PAGE, num_pages=(n + 1) // br.PAGE + 2)

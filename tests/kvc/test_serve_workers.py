@@ -91,6 +91,9 @@ def serving(tmp_path: Path, url: str, extra_env: dict[str, str] | None = None) -
         "KVC_STORES": store_url,
         "KVC_MAX_PROMPT_TOKENS": str(4 * len(PROMPT)),
         "KVC_CONFIG": str(tmp_path / "absent.toml"),
+        # Its metrics and worker-config directories go here: the group is killed below,
+        # which leaves them (and the catalog URL in the config) behind.
+        "TMPDIR": str(tmp_path),
     }
     env |= extra_env or {}
     serve = ["serve", "--catalog", url, "--tokens-file", str(tokens), "--port", str(port)]
