@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_restore import scratch_dir
+from scratch import scratch_dir
 
 from chunkstore import ChunkStore, open_store
 from chunkstore.codecs import CODECS, DEFAULT_CODEC

@@ -55,7 +55,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_restore import interleaved, median_s, metered, scratch_dir
+from bench_restore import interleaved, median_s, metered
+from scratch import scratch_dir
 
 from catalog.catalog import Catalog
 from chunkstore import ChunkStore, open_store

@@ -39,7 +39,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_hf import CHUNK, QWEN2_05B
-from bench_restore import median_s, scratch_dir
+from bench_restore import median_s
+from scratch import scratch_dir
 
 from catalog.catalog import Catalog
 from chunkstore import open_store

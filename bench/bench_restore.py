@@ -21,7 +21,6 @@ Sections, all in one run on the same machine:
 from __future__ import annotations
 
 import argparse
-import atexit
 import math
 import mmap
 import os
@@ -59,14 +58,6 @@ FP = Fingerprint.create(
 )
 PAGE = 16
 CHUNK = 256
-
-
-def scratch_dir(prefix: str) -> Path:
-    """A new directory under the system temp directory, removed when the bench exits,
-    however it exits but killed (benches leave gigabytes of blobs and catalogs)."""
-    path = Path(tempfile.mkdtemp(prefix=prefix))
-    atexit.register(shutil.rmtree, path, ignore_errors=True)
-    return path
 
 
 def median_s(

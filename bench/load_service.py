@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
 
-from bench.bench_restore import scratch_dir
+from bench.scratch import scratch_dir
 from catalog import Catalog
 from catalog.remote import RemoteCatalog
 from catalog.wire import MatchModel

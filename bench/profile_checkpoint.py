@@ -32,7 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.bench_checkpoint import CHUNK, FP, LAYOUT, PAGE, clear_dir, kv_like, tokens_for
-from bench.bench_restore import scratch_dir
+from bench.scratch import scratch_dir
 from catalog.catalog import Catalog
 from chunkstore import open_store
 from chunkstore.record import check_finite

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_restore as br
+from scratch import scratch_dir
 
 from catalog.catalog import Catalog
 from chunkstore import open_store
@@ -51,7 +52,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     args = ap.parse_args()
     n = args.tokens
-    tmp = br.scratch_dir("kvc-profile-restore-")
+    tmp = scratch_dir("kvc-profile-restore-")
     k, v = br.kv_like(n + 1)
     toks = np.random.default_rng(1).integers(0, 50_000, n + 1).astype(np.uint32)
     src = PagePool(br.LAYOUT, page_size=br.PAGE, num_pages=(n + 1) // br.PAGE + 2)
