@@ -91,6 +91,7 @@ class LocalStore(ChunkStore):
         if not path.is_absolute():
             raise StoreURLError(f"local store root must be an absolute path, got {str(root)!r}")
         self._root = Path(os.path.normpath(path))
+        self._root_prefix = os.path.join(self._root, "")  # for `get`'s path (no pathlib per read)
         self._name = "file://" + urllib.parse.quote(str(self._root))
         self.refresh_after_s = refresh_after_s
         self.temp_grace_s = temp_grace_s
@@ -241,7 +242,8 @@ class LocalStore(ChunkStore):
 
     def get(self, key: str) -> Buffer:
         """The blob as a read-only `memoryview` over an mmap (released when the view is)."""
-        path = self.path_of(key)
+        key = validate_key(key)
+        path = f"{self._root_prefix}{key[:2]}/{key[2:4]}/{key}"  # path_of's, as a string
         try:
             with open(path, "rb") as f:
                 if os.fstat(f.fileno()).st_size == 0:

@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -116,7 +116,7 @@ class Restorer:
         self._fingerprints: LRU[str, Fingerprint] = LRU(64)
         self._rate_lock = threading.Lock()
         # Headers of chunks verified before, by blob key (the key commits to every byte).
-        self._headers: LRU[str, ChunkHeader] | None = (
+        self._headers: LRU[str, _KnownHeader] | None = (
             LRU(header_cache) if header_cache > 0 else None
         )
 
@@ -434,7 +434,7 @@ class Restorer:
                 store.get(c.blob_key),
                 expected_key=c.blob_key,
                 hash_threads=hash_threads,
-                known_header=known,
+                known_header=None if known is None else known.header,
                 expected_shape=shape,
                 expected_dtype=layout.dtype,
             )
@@ -448,9 +448,11 @@ class Restorer:
                 "blob %s from %s failed verification; reading it again", c.blob_key, store.name
             )
             decoded = read()
-        if self._headers is not None and known is None:
-            self._headers.put(c.blob_key, decoded.header)
-        self._check_header(decoded, c, tok, fp_hex, shard)
+        if known is None:
+            known = _KnownHeader(decoded.header, np.asarray(decoded.header.tokens, np.uint32))
+            if self._headers is not None:
+                self._headers.put(c.blob_key, known)
+        self._check_header(decoded, known.tokens, c, tok, fp_hex, shard)
         return decoded
 
     def _mark(
@@ -474,8 +476,14 @@ class Restorer:
 
     @staticmethod
     def _check_header(
-        decoded: DecodedChunk, c: ChunkMatch, tok: np.ndarray[Any, Any], fp_hex: str, shard: Shard
+        decoded: DecodedChunk,
+        tokens: np.ndarray[Any, Any],
+        c: ChunkMatch,
+        tok: np.ndarray[Any, Any],
+        fp_hex: str,
+        shard: Shard,
     ) -> None:
+        """`tokens`: the header's token ids as uint32 (converted once per header kept)."""
         h = decoded.header
         problems = []
         if h.fingerprint != fp_hex:
@@ -485,8 +493,7 @@ class Restorer:
         if h.token_start != c.token_start or len(h.tokens) != c.token_count:
             problems.append("token range")
         elif not np.array_equal(
-            np.asarray(h.tokens[: c.tokens_used], dtype=np.uint32),
-            tok[c.token_start : c.token_start + c.tokens_used],
+            tokens[: c.tokens_used], tok[c.token_start : c.token_start + c.tokens_used]
         ):
             problems.append("token ids")
         if tuple(h.layers) != (shard.layer_lo, shard.layer_hi) or tuple(h.kv_heads) != (
@@ -506,6 +513,13 @@ class Restorer:
         with self._rate_lock:
             old = self._tier_rates.get(tier)
             self._tier_rates[tier] = rate if old is None else 0.8 * old + 0.2 * rate
+
+
+class _KnownHeader(NamedTuple):
+    """A header verified before, and its token ids as an array (what every restore compares)."""
+
+    header: ChunkHeader
+    tokens: np.ndarray[Any, Any]
 
 
 class _HeaderMismatch(Exception):
