@@ -6,6 +6,7 @@ for the S3 rows):
 
     python bench/bench_hf.py [--tokens 1024,4096,16384] [--dtypes bfloat16,float32]
                              [--reps 7] [--no-s3] [--no-recompute] [--json]
+                             [--parallel N] [--cold]
 
 The model is shaped like Qwen2-0.5B (24 layers, 14 heads, 2 kv heads, head dim 64,
 hidden 896, vocab 151936) with random weights, built once under the temp directory.
@@ -26,6 +27,8 @@ For each dtype and prompt length it prints, medians of `--reps` runs:
   of the CPU seconds they used (every thread; on a loaded machine the wall clock
   mostly measures the share of the cores a run got) and the median of kvc's catalog
   lookup (the floor has none: "bound" is the ratio the floor would reach with it);
+  `--parallel N` sets kvc's `max_parallel` (its lanes for local chunks), `--cold` drops
+  the blobs from the page cache before every kvc and floor run;
 - S3: kvc's restore from SeaweedFS beside the S3 floor of issue 14 (raw boto3 GETs of
   the same blobs, 2, 4 and 8 at a time, no verify; the fastest), in the same run;
   "S3 bound" is issue 14's bound: SeaweedFS runs on the same cores and the GET floor
@@ -55,7 +58,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_restore import interleaved, median_s, metered
+from bench_restore import drop_cache, interleaved, median_s, metered
 from scratch import scratch_dir
 
 from catalog.catalog import Catalog
@@ -64,6 +67,7 @@ from chunkstore.record import read_header
 from restore.engines.hf import HFAdapter, greedy, load_model, save_random_model
 from restore.engines.hf.cache import HostBuffers
 from restore.engines.torch_kv import numpy_view, torch_dtype
+from restore.restore import Restorer
 
 QWEN2_05B = {
     "vocab_size": 151936,
@@ -188,6 +192,8 @@ def bench(
     s3: ChunkStore | None,
     tmp: Path,
     recompute: bool,
+    parallel: int = Restorer.DEFAULT_PARALLEL,
+    cold: bool = False,
 ) -> dict[str, Any]:
     model = load_model(model_dir, dtype)
     vocab = QWEN2_05B["vocab_size"]
@@ -197,7 +203,7 @@ def bench(
     local = open_store(f"file://{work / 'blobs'}")
     out: dict[str, Any] = {"dtype": dtype, "tokens": n, "load_before": os.getloadavg()[0]}
 
-    with HFAdapter(model, cat, [local], "bench", CHUNK) as kv:
+    with HFAdapter(model, cat, [local], "bench", CHUNK, max_parallel=parallel) as kv:
         out["fingerprint_s"] = kv.fingerprint_seconds
         if recompute:
             # Recompute: what the engine does without kvc (the whole prompt, then the first token).
@@ -227,7 +233,7 @@ def bench(
         paths = [local.path_of(k) for k in local.keys()]  # type: ignore[attr-defined]
         floor = floor_restore(paths, kv.layout, n - 1, HostBuffers(kv.restore_buffers.keep_bytes))
         fns, busy = metered({"kvc": restore_local, "floor": floor})
-        times = interleaved(fns, reps)
+        times = interleaved(fns, reps, (lambda: drop_cache(paths)) if cold else None)
         out["restore_local_s"], out["floor_s"] = times["kvc"], times["floor"]
         # CPU seconds per run (every thread): what a loaded machine's noise does not change.
         out["cpu_ratio"] = busy["floor"][0] / busy["kvc"][0]
@@ -288,6 +294,10 @@ def main() -> None:
     ap.add_argument("--no-s3", action="store_true")
     ap.add_argument("--no-recompute", action="store_true")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--parallel", type=int, default=Restorer.DEFAULT_PARALLEL, help="kvc's max_parallel"
+    )
+    ap.add_argument("--cold", action="store_true", help="page cache dropped before each run")
     args = ap.parse_args()
     tmp = scratch_dir("kvc-bench-hf-")
     model_dir = save_random_model(tmp / "qwen2-0.5b-shaped", "qwen2", seed=0, **QWEN2_05B)
@@ -296,7 +306,18 @@ def main() -> None:
     def run_all(srv: Any, s3: ChunkStore | None) -> None:
         for dtype in args.dtypes.split(","):
             for n in (int(x) for x in args.tokens.split(",")):
-                row = bench(model_dir, dtype, n, args.reps, srv, s3, tmp, not args.no_recompute)
+                row = bench(
+                    model_dir,
+                    dtype,
+                    n,
+                    args.reps,
+                    srv,
+                    s3,
+                    tmp,
+                    not args.no_recompute,
+                    args.parallel,
+                    args.cold,
+                )
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr)
 
@@ -318,7 +339,9 @@ def main() -> None:
         return
     nan = float("nan")
     print(
-        f"transformers Qwen2-0.5B-shaped model, random weights, CPU ({CORES} cores), torch {torch.__version__}"
+        f"transformers Qwen2-0.5B-shaped model, random weights, CPU ({CORES} cores), torch "
+        f"{torch.__version__}, kvc max_parallel={args.parallel}, "
+        f"{'cold' if args.cold else 'warm'} page cache"
     )
     print(
         f"{'dtype':<9}{'tokens':>7}{'KV MB':>7}{'recompute s':>12}{'kvc TTFT s':>11}{'speedup':>8}"
