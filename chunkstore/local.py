@@ -91,7 +91,7 @@ class LocalStore(ChunkStore):
         if not path.is_absolute():
             raise StoreURLError(f"local store root must be an absolute path, got {str(root)!r}")
         self._root = Path(os.path.normpath(path))
-        self._root_prefix = os.path.join(self._root, "")  # for `get`'s path (no pathlib per read)
+        self._root_prefix = os.path.join(self._root, "")
         self._name = "file://" + urllib.parse.quote(str(self._root))
         self.refresh_after_s = refresh_after_s
         self.temp_grace_s = temp_grace_s
@@ -123,8 +123,12 @@ class LocalStore(ChunkStore):
 
     def path_of(self, key: str) -> Path:
         """Where the blob `key` lives (whether or not it exists)."""
+        return Path(self._file_of(key))
+
+    def _file_of(self, key: str) -> str:
+        """`path_of` as a string: what a read opens (pathlib costs more than the open)."""
         key = validate_key(key)
-        return self._root / key[:2] / key[2:4] / key
+        return f"{self._root_prefix}{key[:2]}/{key[2:4]}/{key}"
 
     def _receipt(self, key: str, st: os.stat_result) -> Receipt:
         return Receipt(
@@ -242,8 +246,7 @@ class LocalStore(ChunkStore):
 
     def get(self, key: str) -> Buffer:
         """The blob as a read-only `memoryview` over an mmap (released when the view is)."""
-        key = validate_key(key)
-        path = f"{self._root_prefix}{key[:2]}/{key[2:4]}/{key}"  # path_of's, as a string
+        path = self._file_of(key)
         try:
             with open(path, "rb") as f:
                 if os.fstat(f.fileno()).st_size == 0:
