@@ -41,7 +41,9 @@ from chunkstore.record import (
 from maintenance.fsck import fsck
 from maintenance.rebuild_scan import scan_stores
 from restore.checkpoint import Checkpointer
+from restore.destination import PoolDestination
 from restore.engines.reference import ReferenceModel
+from restore.errors import PoolExhaustedError
 from restore.pool import PagePool
 from restore.restore import Restorer
 from restore.write_behind import to_replica_receipt
@@ -358,3 +360,70 @@ def test_fsck_and_rebuild_refuse_a_planted_blob_from_its_header(
     assert list(scan.damaged) == [bomb.key] and bomb.key not in scan.blobs
     assert set(scan.blobs) >= {k for k in keys if k != keys[1]}
     planted.close()
+
+
+class Recording(PoolDestination):
+    """A pool destination that records the order of the calls a restore makes into it."""
+
+    def __init__(self, pool: PagePool) -> None:
+        super().__init__(pool)
+        self.calls: list[str] = []
+        self._calls_lock = threading.Lock()
+
+    def _note(self, call: str) -> None:
+        with self._calls_lock:
+            self.calls.append(call)
+
+    def reserve(self, tokens: int) -> None:
+        self._note("reserve")
+        super().reserve(tokens)
+
+    def write(self, kv: Any, start: int, count: int) -> None:
+        self._note("write")
+        super().write(kv, start, count)
+
+    def commit(self, tokens: int) -> None:
+        self._note("commit")
+        super().commit(tokens)
+
+    def abort(self) -> None:
+        self._note("abort")
+        super().abort()
+
+
+@pytest.mark.parametrize("width", [1, 4])
+def test_the_destination_is_reserved_once_before_any_write(setup: Any, width: int) -> None:
+    """One reserve, before every write, then one commit; with nothing verified, reserve then
+    abort (the `Destination` protocol, whatever the number of lanes)."""
+    cat, a, _, keys = setup
+    with Restorer(cat, [a], max_parallel=width) as r:
+        dest = Recording(PagePool(MODEL.layout, page_size=16, num_pages=64))
+        res = r.restore_into(dest, TOKENS, MODEL.fingerprint)
+        assert res.restored_tokens == 99
+        assert dest.calls == ["reserve", *["write"] * len(keys), "commit"]
+        a.modes[keys[0]] = "flip_always"  # the first chunk: nothing verified
+        dest = Recording(PagePool(MODEL.layout, page_size=16, num_pages=64))
+        res = r.restore_into(dest, TOKENS, MODEL.fingerprint)
+        # Other lanes may have written later chunks before the first one failed.
+        assert res.restored_tokens == 0 and dest.calls[0] == "reserve"
+        assert set(dest.calls[1:-1]) <= {"write"} and dest.calls[-1] == "abort"
+        assert width > 1 or dest.calls == ["reserve", "abort"]
+        assert dest.pool.free_pages == 64
+
+
+@pytest.mark.parametrize("width", [1, 4])
+def test_a_destination_without_room_gets_the_error_and_no_write(setup: Any, width: int) -> None:
+    """The pool cannot hold the prefix: the restore raises the pool's error, writes nothing,
+    aborts nothing it did not reserve, and the restorer goes on working."""
+    cat, a, _, keys = setup
+    with Restorer(cat, [a], max_parallel=width) as r:
+        small = Recording(PagePool(MODEL.layout, page_size=16, num_pages=3))
+        with pytest.raises(PoolExhaustedError, match="shortfall 4"):
+            r.restore_into(small, TOKENS, MODEL.fingerprint)
+        assert small.calls == ["reserve"] and small.pool.free_pages == 3
+        assert small.route is None
+        pool = PagePool(MODEL.layout, page_size=16, num_pages=64)
+        res = r.restore(pool, TOKENS, MODEL.fingerprint)
+    assert res.restored_tokens == 99
+    assert_exact(res, pool)
+    assert all(states(cat, k) == ["durable"] for k in keys)
