@@ -304,6 +304,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
 
     def run_all(srv: Any, s3: ChunkStore | None) -> None:
+        recompute = not args.no_recompute
         for dtype in args.dtypes.split(","):
             for n in (int(x) for x in args.tokens.split(",")):
                 row = bench(
@@ -314,9 +315,9 @@ def main() -> None:
                     srv,
                     s3,
                     tmp,
-                    not args.no_recompute,
-                    args.parallel,
-                    args.cold,
+                    recompute,
+                    parallel=args.parallel,
+                    cold=args.cold,
                 )
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr)
