@@ -116,7 +116,7 @@ class Catalog(Namespaces, Publishing, Lookups, Replicas, Names, Lineage):
 
     def close(self) -> None:
         self._access.close()
-        self.engine.dispose()
+        self.db.close()
 
     def __enter__(self) -> Catalog:
         return self

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import sqlalchemy as sa
 
 from catalog.database import batches
 from catalog.errors import (
@@ -32,7 +31,7 @@ from catalog.models import (
 from catalog.schema import (
     HEAD_TOKENS,
 )
-from catalog.transactions import Database, driver_rows
+from catalog.transactions import Database
 
 if TYPE_CHECKING:
     from catalog.access import AccessLog
@@ -73,20 +72,15 @@ class Lookups:
         miss = Match(namespace, fp_hex, shard, n)
         if limit <= 0:
             return miss
-        with self.db.read() as conn:
-            ns = self.db.namespace(conn, namespace)
-            if ns is None:
-                return miss
-            cs = ns[1]
-            if shard is None:
-                fp = self.db.fingerprint(conn, fp_hex, ns[0])
-                if fp is None:
-                    return miss
-                shard = Shard.full(fp.layout)
-            # Full chunks that can serve at least one position below the limit.
-            n_full = min(n // cs, -(-limit // cs))
-            full = prefix_hashes(namespace, tok, cs, max_chunks=n_full) if n_full else []
-            found = self._chunks_for(conn, ns[0], fp_hex, shard, full)
+        known = self._identity(namespace, fp_hex, shard)
+        if known is None:
+            return miss
+        (ns_id, cs), shard = known
+        # Full chunks that can serve at least one position below the limit.
+        n_full = min(n // cs, -(-limit // cs))
+        full = prefix_hashes(namespace, tok, cs, max_chunks=n_full) if n_full else []
+        with self.db.read_rows() as rows:
+            found = self._chunks_for(rows, ns_id, fp_hex, shard, full)
             # A full chunk's place in the tree is the prompt's own: its parent is the
             # previous hash and it starts at i * cs (the hash commits to both), so the
             # walk never reads the prefix nodes' rows.
@@ -108,7 +102,7 @@ class Lookups:
                     break
             if matched < limit and matched % cs == 0:
                 q_be = tok[matched : matched + cs].astype(">u4").tobytes()
-                partial = self._best_sibling(conn, ns[0], fp_hex, shard, parent, q_be)
+                partial = self._best_sibling(rows, ns_id, fp_hex, shard, parent, q_be)
                 if partial is not None:
                     used = min(partial[1], limit - matched)
                     chunks.append(_chunk_match(partial[0], used))
@@ -117,8 +111,30 @@ class Lookups:
             self._access.note([c.prefix_hash for c in chunks], fp_hex, shard)
         return Match(namespace, fp_hex, shard, n, matched, tuple(chunks))
 
+    def _identity(
+        self, namespace: str, fp_hex: str, shard: Shard | None
+    ) -> tuple[tuple[int, int], Shard] | None:
+        """The namespace's (id, chunk size) and the shard to look up (the fingerprint's whole
+        layout when none is given); None if either is not catalogued. From the caches when
+        they know both (they never change once committed), else read and cached."""
+        ns = self.db.known_namespace(namespace)
+        fp = None if ns is None or shard is not None else self.db.known_fingerprint(fp_hex, ns[0])
+        if ns is None or (shard is None and fp is None):
+            with self.db.read() as conn:
+                ns = self.db.namespace(conn, namespace)
+                if ns is None:
+                    return None
+                if shard is None:
+                    fp = self.db.fingerprint(conn, fp_hex, ns[0])
+                    if fp is None:
+                        return None
+        if shard is None:
+            assert fp is not None
+            shard = Shard.full(fp.layout)
+        return ns, shard
+
     def _chunks_for(
-        self, conn: sa.Connection, ns_id: int, fp_hex: str, shard: Shard, hashes: list[bytes]
+        self, rows: _Rows, ns_id: int, fp_hex: str, shard: Shard, hashes: list[bytes]
     ) -> dict[bytes, _ChunkRow]:
         """The usable chunks of these prefix hashes: their row and namespace `ns_id`'s
         replicas, best tier first.
@@ -134,22 +150,23 @@ class Lookups:
             return {}
         ident = (fp_hex, shard.layer_lo, shard.layer_hi, shard.head_lo, shard.head_hi, ns_id)
         params: tuple[Any, ...]
-        rows: list[Any] = []
+        found: list[Any] = []
+        sqlite = self.db.engine.dialect.name == "sqlite"
         # SQLite binds one variable per hash: a prompt of more than BIND_BATCH chunks
         # takes one statement per batch (PostgreSQL binds the array as one).
-        for batch in batches(hashes) if conn.dialect.name == "sqlite" else (hashes,):
-            if conn.dialect.name == "sqlite":
+        for batch in batches(hashes) if sqlite else (hashes,):
+            if sqlite:
                 sql = _hot_sql_sqlite(len(batch))
                 params = (*batch, *ident)
             else:
                 sql = _HOT_SQL_PG
                 params = (batch, *ident)
-            rows += driver_rows(conn, sql, params)
-        return _fold(rows)
+            found += rows(sql, params)
+        return _fold(found)
 
     def _best_sibling(
         self,
-        conn: sa.Connection,
+        rows: _Rows,
         ns_id: int,
         fp_hex: str,
         shard: Shard,
@@ -169,9 +186,9 @@ class Lookups:
             "q_head": q_be[: 4 * HEAD_TOKENS],
             "q_be": q_be,
         }
-        rows = driver_rows(conn, _sibling_sql(conn.dialect.name), params)
+        found = rows(_sibling_sql(self.db.engine.dialect.name), params)
         best: tuple[_ChunkRow, int] | None = None
-        for _, row in sorted(_fold(rows).items()):
+        for _, row in sorted(_fold(found).items()):
             shared = _common_prefix(q_be, row[0][_SIBLING_TOKENS])
             if shared > (best[1] if best else 0):
                 best = (row, shared)
@@ -190,6 +207,7 @@ def _common_prefix(a: bytes, b: bytes) -> int:
 
 
 _ChunkRow = tuple[Any, tuple[ReplicaInfo, ...]]
+_Rows = Callable[[str, Any], list[Any]]  # one snapshot's driver-SQL reads (`Database.read_rows`)
 
 
 def _fold(rows: Sequence[Any]) -> dict[bytes, _ChunkRow]:

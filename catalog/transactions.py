@@ -3,7 +3,8 @@
 `Database` is the internal interface every catalog module (and `catalog.gc`)
 builds on; nothing outside `catalog/` uses it. It owns:
 
-- `read()`: a connection for queries;
+- `read()`: a connection for queries; `read_rows()`: one snapshot's statements in the
+  driver's own SQL (the lookup's), on SQLite without SQLAlchemy's pool;
 - `write()`: a write transaction (SQLite takes the write lock up front with
   `BEGIN IMMEDIATE`); callbacks registered with `after_commit` run once it commits;
 - `changed(conn, change)`: announce a journaled change (`catalog.changes`) to the
@@ -22,6 +23,7 @@ transaction did not commit); a connection lost while committing is
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -40,6 +42,7 @@ from catalog.errors import CatalogUnavailableError, OutcomeUnknownError, PurgeIn
 from catalog.identity import Fingerprint, chain_root
 from catalog.lru import LRU
 from catalog.schema import Chunk, Event, FingerprintRow, Namespace, NamespaceFingerprint
+from catalog.sqlite_readers import SQLiteReaders
 
 T = TypeVar("T")
 
@@ -161,6 +164,11 @@ class Database:
         # polls SQLite against other processes. (Re-entrant: a nested write in one thread
         # meets SQLite's lock, as it did without this one.)
         self._write_lock = threading.RLock() if engine.dialect.name == "sqlite" else None
+        self._sqlite_readers = (
+            SQLiteReaders(engine, engine.pool.size())  # type: ignore[attr-defined]
+            if engine.dialect.name == "sqlite"
+            else None
+        )
         # Rows that never change once committed, cached by name / hex; bounded so a
         # catalog with very many namespaces or fingerprints cannot grow the process.
         self._ns_cache: LRU[str, tuple[int, int]] = LRU(CACHE_ENTRIES)
@@ -201,6 +209,50 @@ class Database:
             if _unreachable(exc):
                 raise self._unavailable(exc) from exc
             raise
+
+    @contextmanager
+    def read_rows(self) -> Iterator[Callable[[str, Any], list[Any]]]:
+        """One snapshot's reads in the driver's own SQL and parameter style: a function of
+        `(sql, params)` returning the driver's rows (what `driver_rows` does on `read`).
+
+        On SQLite, when no listener watches statements, they run between a plain BEGIN
+        and COMMIT on a connection of `SQLiteReaders`, not through SQLAlchemy's pool (see
+        `catalog.sqlite_readers`); errors are mapped as `read` maps them. With a
+        `before_cursor_execute` or `after_cursor_execute` listener on the engine (tracing,
+        statement logs, tests), and on PostgreSQL, they run on `read`'s connection, so
+        every listener sees them with the connection it expects.
+        """
+        readers = self._sqlite_readers
+        dispatch = self.engine.dispatch
+        if readers is None or dispatch.before_cursor_execute or dispatch.after_cursor_execute:
+            with self.read() as conn:
+                yield functools.partial(driver_rows, conn)
+            return
+        driver: Any = readers.take()
+        dbapi_error = self.engine.dialect.loaded_dbapi.Error
+        try:
+            driver.execute("BEGIN")
+            yield lambda sql, params: driver.execute(sql, params).fetchall()
+            driver.execute("COMMIT")
+        except dbapi_error as exc:
+            lost = self.engine.dialect.is_disconnect(exc, driver, None)
+            readers.drop(driver)
+            driver = None
+            error = DBAPIError.instance(None, None, exc, dbapi_error, connection_invalidated=lost)
+            if isinstance(error, DBAPIError) and _unreachable(error):
+                raise self._unavailable(error) from exc
+            raise error from exc
+        finally:
+            if driver is not None:
+                if driver.in_transaction:  # the block raised: end its snapshot
+                    driver.rollback()
+                readers.give_back(driver)
+
+    def close(self) -> None:
+        """Close every connection (the engine's pool and the SQLite readers)."""
+        if self._sqlite_readers is not None:
+            self._sqlite_readers.close()
+        self.engine.dispose()
 
     @contextmanager
     def write(self) -> Iterator[sa.Connection]:
@@ -278,6 +330,17 @@ class Database:
         """The dialect's INSERT for `table` (it has `on_conflict_do_nothing/update`)."""
         dialect = sqlite if conn.dialect.name == "sqlite" else postgresql
         return dialect.insert(table)
+
+    def known_namespace(self, name: str) -> tuple[int, int] | None:
+        """(id, chunk size) of a namespace if the cache holds it (no query)."""
+        return self._ns_cache.get(name)
+
+    def known_fingerprint(self, hex_: str, ns_id: int) -> Fingerprint | None:
+        """The fingerprint with this hex if the caches hold it and that namespace `ns_id`
+        uses it (no query)."""
+        if (ns_id, hex_) not in self._ns_fp_cache:
+            return None
+        return self._fp_cache.get(hex_)
 
     def namespace(
         self, conn: sa.Connection, name: str, *, create_chunk_size: int | None = None
