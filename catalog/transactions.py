@@ -346,7 +346,7 @@ class Database:
         self, conn: sa.Connection, name: str, *, create_chunk_size: int | None = None
     ) -> tuple[int, int] | None:
         """(id, chunk size) of a namespace, created with `create_chunk_size` if given; else None."""
-        cached = self._ns_cache.get(name)
+        cached = self.known_namespace(name)
         if cached is not None:
             return cached
         row = conn.execute(
