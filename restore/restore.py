@@ -63,6 +63,27 @@ class _ChunkFailed(Exception):
     """No replica of a chunk could be fetched and verified."""
 
 
+class _Reservation:
+    """A destination's `reserve`, made by the calling thread while the lanes fetch and verify
+    the first chunks (neither needs the other); a lane writes only once it is made."""
+
+    def __init__(self) -> None:
+        self._settled = threading.Event()
+        self.made = False
+
+    def make(self, destination: Destination, tokens: int) -> None:
+        try:
+            destination.reserve(tokens)
+            self.made = True
+        finally:
+            self._settled.set()  # a lane waiting to write learns either way
+
+    def wait(self) -> bool:
+        """Whether the reservation was made (blocks until it is made or has failed)."""
+        self._settled.wait()
+        return self.made
+
+
 class Restorer:
     """Restores prefixes from the stores this worker can read (matched to replicas by store name).
 
@@ -191,15 +212,18 @@ class Restorer:
         assert shard is not None
         self._check_destination(destination.layout, shard)
         layout = self._expected_layout(fingerprint, fp_hex, destination.layout, shard)
-        destination.reserve(match.matched_tokens)
+        reservation = _Reservation()
         try:
-            restored = self._load(destination, match, tok, fp_hex, shard, layout, report, cancel)
+            restored = self._load(
+                destination, reservation, match, tok, fp_hex, shard, layout, report, cancel
+            )
             if restored == 0:
                 destination.abort()
             else:
                 destination.commit(restored)
         except BaseException:
-            destination.abort()
+            if reservation.made:  # a reserve that raised changed nothing
+                destination.abort()
             raise
         report.seconds["total"] = time.perf_counter() - t0
         return RestoreResult(None, restored, restored, len(tok), match, report)
@@ -247,6 +271,7 @@ class Restorer:
     def _load(
         self,
         destination: Destination,
+        reservation: _Reservation,
         match: Match,
         tok: np.ndarray[Any, Any],
         fp_hex: str,
@@ -255,8 +280,9 @@ class Restorer:
         report: RestoreReport,
         cancel: threading.Event | None,
     ) -> int:
-        """Fetch, verify and write chunks, several at once within the byte budget; return how
-        many leading positions are loaded (every chunk before the first failure).
+        """Reserve the destination, fetch, verify and write chunks, several at once within the
+        byte budget; return how many leading positions are loaded (every chunk before the
+        first failure).
 
         Chunks are taken in order by lanes: up to `max_parallel` for chunks whose best
         replica is local or resident, `object_parallel` for object-store ones, and the
@@ -265,6 +291,10 @@ class Restorer:
         the destination by the lane that verified it (the writes are disjoint, and the
         copy of one chunk overlaps the hashing of the next). After a chunk fails, no lane
         starts a later one; positions past it already written are dropped by `commit`.
+        The calling thread reserves the destination after handing chunks to the other lanes,
+        which fetch and verify meanwhile and write once it is reserved: on a machine of few
+        cores, the reservation (an engine may build its cache objects there) no longer
+        leaves the others idle. If it fails, nothing is written and the error is raised.
         """
         chunks = match.chunks
         n = len(chunks)
@@ -301,6 +331,8 @@ class Restorer:
                     decoded, location, seconds = self._fetch_verified(
                         c, tok, fp_hex, shard, layout, report, hash_threads
                     )
+                    if not reservation.wait():
+                        break  # the caller's reserve failed: write nothing, start nothing
                     t = time.perf_counter()
                     destination.write(decoded.kv, c.token_start, c.tokens_used)
                     outcomes[i] = (location, seconds, time.perf_counter() - t)
@@ -323,6 +355,7 @@ class Restorer:
             lanes = min(width, len(queue)) - (queue is mine)
             helpers += [executor.submit(lane, queue) for _ in range(max(lanes, 0))]
         try:
+            reservation.make(destination, match.matched_tokens)
             lane(mine)
         except BaseException:
             with turn:
@@ -335,18 +368,24 @@ class Restorer:
             raise RestoreError("restore cancelled")
         restored = 0
         fetch_s = copy_s = 0.0
-        for c, outcome in zip(chunks, outcomes, strict=True):
-            if outcome is None or isinstance(outcome, _ChunkFailed):
-                break  # the longest verified prefix ends before this chunk
-            if isinstance(outcome, BaseException):
-                raise outcome
-            location, seconds, copied = outcome
-            fetch_s += seconds
-            copy_s += copied
-            restored = c.token_start + c.tokens_used
-            report.chunks += 1
-            report.bytes += c.stored_bytes
-            report.replicas_used[location] = report.replicas_used.get(location, 0) + 1
+        try:
+            for c, outcome in zip(chunks, outcomes, strict=True):
+                if outcome is None or isinstance(outcome, _ChunkFailed):
+                    break  # the longest verified prefix ends before this chunk
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                location, seconds, copied = outcome
+                fetch_s += seconds
+                copy_s += copied
+                restored = c.token_start + c.tokens_used
+                report.chunks += 1
+                report.bytes += c.stored_bytes
+                report.replicas_used[location] = report.replicas_used.get(location, 0) + 1
+        finally:
+            # A failed chunk's exception holds its lane's frame, which holds this list: a
+            # cycle that kept the destination (a restored cache's memory) until the next
+            # garbage collection.
+            outcomes.clear()
         report.seconds["fetch+verify"] = fetch_s
         report.seconds["copy"] = copy_s
         return restored

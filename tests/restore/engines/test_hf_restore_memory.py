@@ -24,6 +24,7 @@ from restore.engines.hf import HFAdapter
 from restore.engines.hf.cache import HostBuffers
 from restore.errors import InputError
 from tests.restore.engines.hf_worker import generate, prefill
+from tests.restore.test_token_exact import corrupt
 
 MiB = 1 << 20
 CHUNK = 64
@@ -105,6 +106,36 @@ def test_memory_of_a_cache_still_in_use_is_never_handed_out(
     assert memory_of(other) == addr  # ... and is reused,
     assert memory_of(other) != memory_of(held)  # but never the memory of a cache in use
     assert all(torch.equal(a, b) for a, b in zip(before, bits(held), strict=True))
+
+
+@pytest.mark.parametrize("bad_chunk", [0, 2])
+def test_the_memory_of_a_restore_cut_short_comes_back(
+    model: PreTrainedModel, kv: HFAdapter, tmp_path: Path, bad_chunk: int
+) -> None:
+    """The cache of every reserved position, built while the chunks are fetched, is dropped
+    when fewer verify (a cache of the verified ones instead) or none (an empty one): its
+    buffer comes back as soon as the cache handed out lets go of it."""
+    p = prompt(4)
+    original = prefill(model, p[:-1])
+    kv.checkpoint(p, original)
+    chunks = kv.restorer.catalog.lookup("default", kv.fingerprint, p).chunks
+    corrupt(open_store(f"file://{tmp_path / 'blobs'}"), chunks[bad_chunk].blob_key)
+    reserved = (TOKENS - 1) * 16 * 1024
+    cache, n = kv.restore(p)
+    assert n == bad_chunk * CHUNK
+    if n == 0:
+        assert cache.get_seq_length() == 0
+        assert kv.restore_buffers.idle_bytes >= reserved  # back at once: nothing holds it
+        return
+    assert kv.restore_buffers.idle_bytes == 0  # the cache handed out holds the buffer
+    assert cache.get_seq_length() == n
+    assert all(
+        torch.equal(mine.keys, theirs.keys[:, :, :n])  # type: ignore[index]
+        and torch.equal(mine.values, theirs.values[:, :, :n])  # type: ignore[index]
+        for mine, theirs in zip(cache.layers, original.layers, strict=True)
+    )
+    del cache
+    assert kv.restore_buffers.idle_bytes >= reserved
 
 
 def _tensor_at(buffers: HostBuffers, mib: int) -> tuple[Any, int]:
