@@ -28,8 +28,7 @@ __all__ = ["Destination", "KVSnapshot", "PoolDestination"]
 class Destination(Protocol):
     """Where a restore puts verified KV. Nothing is visible to the engine before `commit`.
 
-    The restore calls `reserve` once (its other threads may be fetching chunks
-    meanwhile), then `write` for each verified chunk,
+    The restore calls `reserve` once, then `write` for each verified chunk,
     then, once no write is running, exactly one of `commit` (with the number of
     leading positions that were written and verified; may be fewer than
     reserved, and positions past it may have been written too) or `abort` (on

@@ -63,27 +63,6 @@ class _ChunkFailed(Exception):
     """No replica of a chunk could be fetched and verified."""
 
 
-class _Reservation:
-    """A destination's `reserve`, made by the calling thread while the lanes fetch and verify
-    the first chunks (neither needs the other); a lane writes only once it is made."""
-
-    def __init__(self) -> None:
-        self._settled = threading.Event()
-        self.made = False
-
-    def make(self, destination: Destination, tokens: int) -> None:
-        try:
-            destination.reserve(tokens)
-            self.made = True
-        finally:
-            self._settled.set()  # a lane waiting to write learns either way
-
-    def wait(self) -> bool:
-        """Whether the reservation was made (blocks until it is made or has failed)."""
-        self._settled.wait()
-        return self.made
-
-
 class Restorer:
     """Restores prefixes from the stores this worker can read (matched to replicas by store name).
 
@@ -212,18 +191,15 @@ class Restorer:
         assert shard is not None
         self._check_destination(destination.layout, shard)
         layout = self._expected_layout(fingerprint, fp_hex, destination.layout, shard)
-        reservation = _Reservation()
+        destination.reserve(match.matched_tokens)
         try:
-            restored = self._load(
-                destination, reservation, match, tok, fp_hex, shard, layout, report, cancel
-            )
+            restored = self._load(destination, match, tok, fp_hex, shard, layout, report, cancel)
             if restored == 0:
                 destination.abort()
             else:
                 destination.commit(restored)
         except BaseException:
-            if reservation.made:  # a reserve that raised changed nothing
-                destination.abort()
+            destination.abort()
             raise
         report.seconds["total"] = time.perf_counter() - t0
         return RestoreResult(None, restored, restored, len(tok), match, report)
@@ -271,7 +247,6 @@ class Restorer:
     def _load(
         self,
         destination: Destination,
-        reservation: _Reservation,
         match: Match,
         tok: np.ndarray[Any, Any],
         fp_hex: str,
@@ -280,9 +255,8 @@ class Restorer:
         report: RestoreReport,
         cancel: threading.Event | None,
     ) -> int:
-        """Reserve the destination, fetch, verify and write chunks, several at once within the
-        byte budget; return how many leading positions are loaded (every chunk before the
-        first failure).
+        """Fetch, verify and write chunks, several at once within the byte budget; return how
+        many leading positions are loaded (every chunk before the first failure).
 
         Chunks are taken in order by lanes: up to `max_parallel` for chunks whose best
         replica is local or resident, `object_parallel` for object-store ones, and the
@@ -291,10 +265,6 @@ class Restorer:
         the destination by the lane that verified it (the writes are disjoint, and the
         copy of one chunk overlaps the hashing of the next). After a chunk fails, no lane
         starts a later one; positions past it already written are dropped by `commit`.
-        The calling thread reserves the destination after handing chunks to the other lanes,
-        which fetch and verify meanwhile and write once it is reserved: on a machine of few
-        cores, the reservation (an engine may build its cache objects there) no longer
-        leaves the others idle. If it fails, nothing is written and the error is raised.
         """
         chunks = match.chunks
         n = len(chunks)
@@ -331,8 +301,6 @@ class Restorer:
                     decoded, location, seconds = self._fetch_verified(
                         c, tok, fp_hex, shard, layout, report, hash_threads
                     )
-                    if not reservation.wait():
-                        break  # the caller's reserve failed: write nothing, start nothing
                     t = time.perf_counter()
                     destination.write(decoded.kv, c.token_start, c.tokens_used)
                     outcomes[i] = (location, seconds, time.perf_counter() - t)
@@ -355,7 +323,6 @@ class Restorer:
             lanes = min(width, len(queue)) - (queue is mine)
             helpers += [executor.submit(lane, queue) for _ in range(max(lanes, 0))]
         try:
-            reservation.make(destination, match.matched_tokens)
             lane(mine)
         except BaseException:
             with turn:

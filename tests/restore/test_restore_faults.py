@@ -411,60 +411,6 @@ def test_the_destination_is_reserved_once_before_any_write(setup: Any, width: in
         assert dest.pool.free_pages == 64
 
 
-class Watched(Faulty):
-    """A store that tells when a chunk has been read from it."""
-
-    def __init__(self, inner: ChunkStore) -> None:
-        super().__init__(inner)
-        self.read_one = threading.Event()
-
-    def get(self, key: str) -> Any:
-        data = super().get(key)
-        self.read_one.set()
-        return data
-
-
-class ReservingSlowly(Recording):
-    """A destination whose `reserve` returns (or, with `room=False`, fails) only once a chunk
-    has been read: it can return only if the other lanes fetch while it reserves."""
-
-    def __init__(self, pool: PagePool, store: Watched, room: bool) -> None:
-        super().__init__(pool)
-        self._store, self._room = store, room
-
-    def reserve(self, tokens: int) -> None:
-        assert self._store.read_one.wait(30), "no chunk was read while the destination reserved"
-        if not self._room:
-            self._note("reserve")
-            raise PoolExhaustedError("no room after all", needed=7, available=0)
-        super().reserve(tokens)
-
-
-@pytest.mark.parametrize("room", [True, False])
-def test_the_lanes_fetch_while_the_destination_reserves(setup: Any, room: bool) -> None:
-    """The calling thread reserves after handing chunks to the other lanes, which fetch and
-    verify meanwhile and write only once the reservation is made; a reservation that fails
-    gets its error raised, no write and no abort, and the restorer goes on working."""
-    cat, a, _, keys = setup
-    watched = Watched(a.inner)
-    with Restorer(cat, [watched], max_parallel=4) as r:
-        dest = ReservingSlowly(PagePool(MODEL.layout, page_size=16, num_pages=64), watched, room)
-        if room:
-            res = r.restore_into(dest, TOKENS, MODEL.fingerprint)
-            assert res.restored_tokens == 99
-            assert dest.calls == ["reserve", *["write"] * len(keys), "commit"]
-            assert_exact(dataclasses.replace(res, route=dest.route), dest.pool)
-        else:
-            with pytest.raises(PoolExhaustedError, match="no room after all"):
-                r.restore_into(dest, TOKENS, MODEL.fingerprint)
-            assert dest.calls == ["reserve"] and dest.pool.free_pages == 64
-        assert watched.reads  # the lanes did read while it reserved
-        pool = PagePool(MODEL.layout, page_size=16, num_pages=64)
-        res = r.restore(pool, TOKENS, MODEL.fingerprint)
-    assert res.restored_tokens == 99
-    assert_exact(res, pool)
-
-
 @pytest.mark.parametrize("width", [1, 4])
 def test_a_destination_without_room_gets_the_error_and_no_write(setup: Any, width: int) -> None:
     """The pool cannot hold the prefix: the restore raises the pool's error, writes nothing,

@@ -312,9 +312,6 @@ class CacheDestination:
         self._builder = builder
         self._host: torch.Tensor | None = None
         self._view: np.ndarray[Any, Any] | None = None
-        # The cache of every reserved position, built by `reserve` while the restore's
-        # other lanes fetch (CPU models: its tensors are views of the buffer itself).
-        self._whole: DynamicCache | None = None
         self.cache: DynamicCache | None = None
 
     @property
@@ -325,13 +322,10 @@ class CacheDestination:
         lay = self._builder.layout
         shape = (lay.num_layers, 2, tokens, lay.num_kv_heads, lay.head_dim)
         dtype = torch_dtype(lay.dtype)
-        device = self._builder.device
-        if device.type == "cuda":
+        if self._builder.device.type == "cuda":
             self._host = torch.empty(shape, dtype=dtype, pin_memory=True)
         else:
             self._host = self._builder.buffers.tensor(shape, dtype)
-        if device.type == "cpu":
-            self._whole = self._builder.cache(self._host, tokens)
         self._view = numpy_view(self._host)
 
     def write(self, kv: np.ndarray[Any, Any], start: int, count: int) -> None:
@@ -341,15 +335,12 @@ class CacheDestination:
         self._view[:, :, start : start + count] = kv[:, :, :count]  # the one copy from the blob
 
     def commit(self, tokens: int) -> None:
-        host, whole = self._host, self._whole
+        host = self._host
         assert host is not None
-        self._host = self._view = self._whole = None
-        if whole is not None and tokens == host.shape[2]:
-            self.cache = whole
-            return
+        self._host = self._view = None
         device = self._builder.device
         kv = host if device.type == "cpu" else host.to(device, non_blocking=True)
         self.cache = self._builder.cache(kv, tokens)
 
     def abort(self) -> None:
-        self._host = self._view = self._whole = None
+        self._host = self._view = None

@@ -112,9 +112,10 @@ def test_memory_of_a_cache_still_in_use_is_never_handed_out(
 def test_the_memory_of_a_restore_cut_short_comes_back(
     model: PreTrainedModel, kv: HFAdapter, tmp_path: Path, bad_chunk: int
 ) -> None:
-    """The cache of every reserved position, built while the chunks are fetched, is dropped
-    when fewer verify (a cache of the verified ones instead) or none (an empty one): its
-    buffer comes back as soon as the cache handed out lets go of it."""
+    """A restore that verifies fewer chunks than it reserved hands out a cache of the verified
+    positions (none: an empty one), and its buffer comes back as soon as that cache lets go
+    of it, not at the next garbage collection (a failed chunk's exception once held the
+    restore's frames, and so the buffer, in a reference cycle)."""
     p = prompt(4)
     original = prefill(model, p[:-1])
     kv.checkpoint(p, original)
