@@ -120,7 +120,8 @@ def test_the_memory_of_a_restore_cut_short_comes_back(
     original = prefill(model, p[:-1])
     kv.checkpoint(p, original)
     chunks = kv.restorer.catalog.lookup("default", kv.fingerprint, p).chunks
-    corrupt(open_store(f"file://{tmp_path / 'blobs'}"), chunks[bad_chunk].blob_key)
+    with open_store(f"file://{tmp_path / 'blobs'}") as blobs:
+        corrupt(blobs, chunks[bad_chunk].blob_key)
     reserved = (TOKENS - 1) * 16 * 1024
     cache, n = kv.restore(p)
     assert n == bad_chunk * CHUNK
