@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_catalog import fetch_plan_rows, floor_params, floor_sql
 from catalog_data import CS, DATA_VERSION, FP, SHARD, build, chain
+from scratch import scratch_dir
 
 from catalog.catalog import Catalog
 from catalog.database import head_revision
@@ -108,7 +109,7 @@ def main() -> None:
         path = Path(args.cache) / f"catalog-{args.size}-n{args.namespaces}-r{head_revision()}-d{DATA_VERSION}.db"
         fresh = not path.exists()
         if fresh:
-            path = Path(tempfile.mkdtemp(prefix="kvc-profile-")) / "catalog.db"
+            path = scratch_dir("kvc-profile-") / "catalog.db"
         cat = Catalog.open(f"sqlite:///{path}", upgrade=True)
         if fresh:
             build(cat, args.size, args.namespaces)
