@@ -455,10 +455,10 @@ class Restorer:
             )
             decoded = read()
         if known is None:
-            known = _KnownHeader(decoded.header, np.asarray(decoded.header.tokens, np.uint32))
+            known = _KnownHeader.of(decoded.header)
             if self._headers is not None:
                 self._headers.put(c.blob_key, known)
-        self._check_header(decoded, known.tokens, c, tok, fp_hex, shard)
+        self._check_header(decoded, known, c, tok, fp_hex, shard)
         return decoded
 
     def _mark(
@@ -483,13 +483,25 @@ class Restorer:
     @staticmethod
     def _check_header(
         decoded: DecodedChunk,
-        tokens: np.ndarray[Any, Any],
+        known: _KnownHeader,
         c: ChunkMatch,
         tok: np.ndarray[Any, Any],
         fp_hex: str,
         shard: Shard,
     ) -> None:
-        """`tokens`: the header's token ids as uint32 (converted once per header kept)."""
+        """The verified header is the chunk the catalog promised: its identity, shard, token
+        range and the prompt's token ids. One comparison of each when all agree (this runs
+        once per chunk, right after its hash, where every Python step costs twice its usual
+        time); the problems are listed only when something disagrees."""
+        span = tok[c.token_start : c.token_start + c.tokens_used]
+        bounds = (shard.layer_lo, shard.layer_hi, shard.head_lo, shard.head_hi)
+        expected = (fp_hex, c.prefix_hash, c.parent_hash, c.token_start, c.token_count, *bounds)
+        if (
+            known.identity == expected
+            and decoded.kv.shape[2] == c.token_count
+            and known.token_bytes[: span.nbytes] == span.tobytes()
+        ):
+            return
         h = decoded.header
         problems = []
         if h.fingerprint != fp_hex:
@@ -498,9 +510,7 @@ class Restorer:
             problems.append("prefix or parent hash")
         if h.token_start != c.token_start or len(h.tokens) != c.token_count:
             problems.append("token range")
-        elif not np.array_equal(
-            tokens[: c.tokens_used], tok[c.token_start : c.token_start + c.tokens_used]
-        ):
+        elif known.token_bytes[: span.nbytes] != span.tobytes():
             problems.append("token ids")
         if tuple(h.layers) != (shard.layer_lo, shard.layer_hi) or tuple(h.kv_heads) != (
             shard.head_lo,
@@ -509,8 +519,9 @@ class Restorer:
             problems.append("shard")
         if decoded.kv.shape[2] != c.token_count:
             problems.append("shape")
-        if problems:
-            raise _HeaderMismatch(f"blob header disagrees with the catalog: {', '.join(problems)}")
+        raise _HeaderMismatch(
+            f"blob header disagrees with the catalog: {', '.join(problems) or 'identity'}"
+        )
 
     def _note_rate(self, tier: str, nbytes: int, seconds: float) -> None:
         if seconds <= 0:
@@ -522,10 +533,20 @@ class Restorer:
 
 
 class _KnownHeader(NamedTuple):
-    """A header verified before, and its token ids as an array (what every restore compares)."""
+    """A header verified before, with what every restore of it compares: its identity as
+    `_check_header` builds the catalog's (fingerprint, prefix and parent hash, token start
+    and count, then the shard's layer and head bounds) and its token ids as uint32 bytes."""
 
     header: ChunkHeader
-    tokens: np.ndarray[Any, Any]
+    identity: tuple[Any, ...]
+    token_bytes: bytes
+
+    @classmethod
+    def of(cls, h: ChunkHeader) -> _KnownHeader:
+        identity = (h.fingerprint, h.prefix_hash, h.parent_hash, h.token_start, len(h.tokens))
+        bounds = (*h.layers, *h.kv_heads)
+        tokens = np.asarray(h.tokens, np.uint32).tobytes()
+        return cls(h, (*identity, *bounds), tokens)
 
 
 class _HeaderMismatch(Exception):

@@ -245,6 +245,16 @@ def rle_zstd_frame(size: int) -> bytes:
     return bytes(frame)
 
 
+def record(header: Any, payload: bytes) -> EncodedChunk:
+    """A record of `header` (whatever it says) over `payload`, under its own key."""
+    hb = header.to_json()
+    fixed = struct.pack("<4sHHI", MAGIC, FORMAT_VERSION, 0, len(hb))
+    end = len(fixed) + 32 + len(hb)
+    data = fixed + blake3.blake3(fixed + hb).digest() + hb + bytes(-end % PAYLOAD_ALIGNMENT)
+    data += payload
+    return EncodedChunk(key=blake3.blake3(data).hexdigest(), data=data, header=header)
+
+
 def forged_record(real: bytes, head_dim: int) -> EncodedChunk:
     """`real`'s header with a head dim of `head_dim`, over a zstd bomb that decodes to it."""
     h = read_header(real)
@@ -258,12 +268,7 @@ def forged_record(real: bytes, head_dim: int) -> EncodedChunk:
         stored_blake3=blake3.blake3(payload).hexdigest(),
         payload_blake3="0" * 64,  # whatever: the decoder would allocate before checking it
     )
-    hb = header.to_json()
-    fixed = struct.pack("<4sHHI", MAGIC, FORMAT_VERSION, 0, len(hb))
-    end = len(fixed) + 32 + len(hb)
-    data = fixed + blake3.blake3(fixed + hb).digest() + hb + bytes(-end % PAYLOAD_ALIGNMENT)
-    data += payload
-    return EncodedChunk(key=blake3.blake3(data).hexdigest(), data=data, header=header)
+    return record(header, payload)
 
 
 def test_rle_zstd_frame_is_a_real_frame() -> None:
@@ -273,24 +278,18 @@ def test_rle_zstd_frame_is_a_real_frame() -> None:
     assert zstandard.ZstdDecompressor().decompress(frame) == bytes(3 << 17)
 
 
-def plant_bomb(
-    cat: Catalog, a: Any, keys: list[str], tmp_path: Path
-) -> tuple[Catalog, EncodedChunk]:
-    """A catalog (of its own) whose chunk 1 is a ~8 KiB record declaring a 256 MiB payload,
-    stored under its own key beside the real chunks."""
-    real = bytes(a.inner.get(keys[1]))
-    bomb = forged_record(real, head_dim=1 << 18)  # 4 x 2 x 32 x 2 x 262144 fp16 = 256 MiB
-    assert len(bomb.data) < 16 << 10 and bomb.header.raw_size == 256 << 20
+def plant(
+    cat: Catalog, a: Any, tmp_path: Path, blobs: dict[int, tuple[str, bytes]]
+) -> Catalog:
+    """A catalog (of its own) of `cat`'s chunks of TOKENS, chunk i catalogued over the blob
+    `blobs[i]` (key, bytes: stored beside the real chunks) where given."""
     planted = Catalog.open(f"sqlite:///{tmp_path / 'planted.db'}", upgrade=True)
     planted.ensure_namespace("default", chunk_size=32)
     planted.register_fingerprint(MODEL.fingerprint)
     match = cat.lookup("default", MODEL.fingerprint, TOKENS)
     records = []
-    for c in match.chunks:
-        if c.blob_key == keys[1]:
-            key, data = bomb.key, bomb.data
-        else:
-            key, data = c.blob_key, bytes(a.inner.get(c.blob_key))
+    for i, c in enumerate(match.chunks):
+        key, data = blobs.get(i) or (c.blob_key, bytes(a.inner.get(c.blob_key)))
         records.append(
             ChunkRecord(
                 namespace="default",
@@ -308,7 +307,76 @@ def plant_bomb(
             )
         )
     planted.record_chunks(records)
-    return planted, bomb
+    return planted
+
+
+def plant_bomb(
+    cat: Catalog, a: Any, keys: list[str], tmp_path: Path
+) -> tuple[Catalog, EncodedChunk]:
+    """A catalog (of its own) whose chunk 1 is a ~8 KiB record declaring a 256 MiB payload,
+    stored under its own key beside the real chunks."""
+    real = bytes(a.inner.get(keys[1]))
+    bomb = forged_record(real, head_dim=1 << 18)  # 4 x 2 x 32 x 2 x 262144 fp16 = 256 MiB
+    assert len(bomb.data) < 16 << 10 and bomb.header.raw_size == 256 << 20
+    return plant(cat, a, tmp_path, {1: (bomb.key, bomb.data)}), bomb
+
+
+@pytest.mark.parametrize("header_cache", [0, Restorer.DEFAULT_HEADER_CACHE])
+def test_a_blob_catalogued_as_another_chunk_is_refused(
+    setup: Any, tmp_path: Path, header_cache: int
+) -> None:
+    """A catalog row for chunk 2 over chunk 1's blob: bytes that hash to their key, but not
+    the chunk promised. The restore stops before chunk 2, whether chunk 1's header is parsed
+    again or known from the chunk before (one lane: chunk 1 is verified first)."""
+    cat, a, _, keys = setup
+    planted = plant(cat, a, tmp_path, {2: (keys[1], bytes(a.inner.get(keys[1])))})
+    pool = PagePool(MODEL.layout, page_size=16, num_pages=64)
+    with Restorer(planted, [a], max_parallel=1, header_cache=header_cache) as r:
+        res = r.restore(pool, TOKENS, MODEL.fingerprint)
+    assert res.restored_tokens == 64 and res.recompute_from == 64
+    assert any(
+        "disagrees with the catalog: prefix or parent hash, token range" in f
+        for f in res.report.failures
+    ), res.report.failures
+    assert_exact(res, pool)
+    planted.close()
+
+
+FORGERIES: dict[str, Any] = {  # what a planted header changes, by the problem it shows
+    "token ids": lambda h: {"tokens": (h.tokens[0] + 1, *h.tokens[1:])},
+    "token range": lambda h: {"token_start": h.token_start + 32},
+    "shard": lambda h: {"layers": (h.layers[0] + 1, h.layers[1] + 1)},
+    "fingerprint": lambda h: {"fingerprint": "f" * 64},
+}
+
+
+@pytest.mark.parametrize("problem", sorted(FORGERIES))
+def test_a_blob_whose_header_is_not_the_chunk_promised_is_refused_known_or_not(
+    setup: Any, tmp_path: Path, problem: str
+) -> None:
+    """Chunk 2's header with one field changed, over chunk 2's payload, catalogued as chunk 2:
+    bytes that hash to their key, declaring another chunk than the one promised. Refused on
+    the first read, and again once its header is known (the replica marked usable again by
+    hand in between), naming what disagrees."""
+    cat, a, _, keys = setup
+    real = bytes(a.inner.get(keys[2]))
+    h = read_header(real)
+    header = dataclasses.replace(h, **FORGERIES[problem](h))
+    forged = record(header, real[len(real) - h.payload_size :])
+    assert read_header(forged.data) == header  # a well-formed record
+    planted = plant(cat, a, tmp_path, {2: (forged.key, forged.data)})
+    with Restorer(planted, [a]) as r:
+        for _ in range(2):
+            pool = PagePool(MODEL.layout, page_size=16, num_pages=64)
+            res = r.restore(pool, TOKENS, MODEL.fingerprint)
+            assert res.restored_tokens == 64 and res.recompute_from == 64
+            assert any(
+                f"disagrees with the catalog: {problem}" in f for f in res.report.failures
+            ), res.report.failures
+            assert_exact(res, pool)
+            assert states(planted, forged.key) == ["corrupt"]
+            planted.mark_replica(forged.key, a.name, "durable", reason="put back by hand")
+    planted.close()
 
 
 def test_a_planted_blob_declaring_a_huge_payload_is_refused_from_its_header(
