@@ -16,6 +16,7 @@ from pydantic_settings import (
 )
 
 from catalog.base import MAX_CHUNK_SIZE, MIN_CHUNK_SIZE
+from restore.cores import usable_cores
 
 
 def _config_file() -> Path:
@@ -139,11 +140,7 @@ class Settings(BaseSettings):
 def default_serve_workers() -> int:
     """`kvc serve`'s processes when not told: one per core this process may run on, at most 8
     (each holds its own database connections)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(1, min(cores, 8))
+    return max(1, min(usable_cores(), 8))
 
 
 def load(**flags: Any) -> Settings:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 import threading
 import time
 from collections import Counter
@@ -26,6 +25,7 @@ from chunkstore import ChunkStore
 from chunkstore.codecs import DEFAULT_CODEC
 from chunkstore.record import ChunkHeader, RawRecord, encode_chunk
 from restore.capture import Capture, CaptureQueue
+from restore.cores import usable_cores
 from restore.descriptors import store_descriptor
 from restore.destination import KVSnapshot
 from restore.encode import RecordBuffers, check_snapshot_finite, fill_payload
@@ -163,7 +163,7 @@ class Checkpointer:
             describe=self._describe,
         )
         self._described: set[tuple[str, str]] = set()  # (store name, fingerprint hex) written
-        self._parallel = parallel or os.cpu_count() or 1
+        self._parallel = parallel or usable_cores()
         self._workers: ThreadPoolExecutor | None = None
         self._buffers = RecordBuffers(record_buffer_bytes)
         self._closed = False

@@ -21,6 +21,7 @@ from catalog.models import TIERS, ChunkMatch, Match, ReplicaInfo, ReplicaState, 
 from chunkstore import ChunkStore
 from chunkstore.errors import ChunkIntegrityError, ChunkLayoutError, ChunkStoreError
 from chunkstore.record import ChunkHeader, DecodedChunk, decode_chunk
+from restore.cores import usable_cores
 from restore.destination import Destination, PoolDestination
 from restore.errors import RestoreError
 from restore.pool import PagePool
@@ -37,6 +38,9 @@ class RestoreReport:
     replicas_used: dict[str, int] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     seconds: dict[str, float] = field(default_factory=dict)
+    # Chunks fetched at once ("local": from local or resident replicas, "object": from
+    # object stores), the calling thread's lane included; 0 where no chunk was.
+    lanes: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -90,7 +94,8 @@ class Restorer:
         object_parallel: int = DEFAULT_OBJECT_PARALLEL,
     ) -> None:
         """`max_parallel` chunks whose best replica is local or resident are fetched and
-        verified at once (reads and hashes that keep the cores busy), `object_parallel`
+        verified at once (reads and hashes that keep the cores busy; as many as the cores
+        while those reads run at the page cache's speed, see `_local_lanes`), `object_parallel`
         whose best replica is in an object store (GETs that mostly wait on the network),
         all within `byte_budget` stored bytes in flight. `header_cache`: how many verified
         chunk headers to keep, so a chunk restored again (a hot prefix) is hashed and
@@ -113,6 +118,8 @@ class Restorer:
             max_workers=object_parallel, thread_name_prefix="kvc-restore-object"
         )
         self._tier_rates: dict[str, float] = {}
+        self._fastest_rates: dict[str, float] = {}  # the highest `_tier_rates` has been
+        self._cores = usable_cores()
         self._fingerprints: LRU[str, Fingerprint] = LRU(64)
         self._rate_lock = threading.Lock()
         # Headers of chunks verified before, by blob key (the key commits to every byte).
@@ -316,12 +323,13 @@ class Restorer:
         # The calling thread runs a lane of the tier the first chunk is read from.
         mine = queues[self._from_object_tier(chunks[0])]
         helpers: list[Future[None]] = []
-        for queue, executor, width in (
-            (queues[False], self._executor, self.max_parallel),
-            (queues[True], self._object_executor, self.object_parallel),
+        local = self._local_lanes(chunks[queues[False][0]]) if queues[False] else 0
+        for tier, queue, executor, width in (
+            ("local", queues[False], self._executor, local),
+            ("object", queues[True], self._object_executor, self.object_parallel),
         ):
-            lanes = min(width, len(queue)) - (queue is mine)
-            helpers += [executor.submit(lane, queue) for _ in range(max(lanes, 0))]
+            report.lanes[tier] = lanes = min(width, len(queue))
+            helpers += [executor.submit(lane, queue) for _ in range(lanes - (queue is mine))]
         try:
             lane(mine)
         except BaseException:
@@ -529,7 +537,26 @@ class Restorer:
         rate = nbytes / seconds
         with self._rate_lock:
             old = self._tier_rates.get(tier)
-            self._tier_rates[tier] = rate if old is None else 0.8 * old + 0.2 * rate
+            new = self._tier_rates[tier] = rate if old is None else 0.8 * old + 0.2 * rate
+            if new > self._fastest_rates.get(tier, 0.0):
+                self._fastest_rates[tier] = new
+
+    def _local_lanes(self, c: ChunkMatch) -> int:
+        """Lanes for the chunks read from local or resident replicas, `c` the first of them.
+
+        As many as the cores while reads of its tier run at the best rate this restorer has
+        seen, within half (the page cache: each lane is hashing and copying, and more lanes
+        than cores only take turns on them); `max_parallel` before any read of the tier, or
+        while they run slower (reads waiting on a device: more of them in flight keep it
+        busy, as after a restart)."""
+        order = self._replica_order(c)
+        tier = order[0][0].tier if order else None
+        with self._rate_lock:
+            rate = self._tier_rates.get(tier) if tier is not None else None
+            fastest = self._fastest_rates.get(tier, 0.0) if tier is not None else 0.0
+        if rate is None or rate < fastest / 2:
+            return self.max_parallel
+        return min(self.max_parallel, self._cores)
 
 
 class _KnownHeader(NamedTuple):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from catalog.models import Shard
 from chunkstore import ChunkStore, Receipt, open_store, record
 from chunkstore.errors import StoreUnavailableError
 from restore.checkpoint import Checkpointer
+from restore.cores import usable_cores
 from restore.engines.reference import ReferenceModel
 from restore.errors import CheckpointBusyError, PoolExhaustedError, RestoreError
 from restore.pool import PagePool
@@ -303,6 +305,48 @@ def test_report_and_rates(cat: Catalog, local: ChunkStore) -> None:
     rep = res.report
     assert rep.chunks == 4 and rep.replicas_used == {local.name: 4}
     assert {"lookup", "fetch+verify", "copy", "total"} <= set(rep.seconds)
+
+
+class Latency(Delegating):
+    """A store whose reads take `delay_s` more: a device the reads wait on (injected
+    latency, long enough that it, not the machine's noise, sets the rate of a read)."""
+
+    def __init__(self, inner: ChunkStore) -> None:
+        super().__init__(inner)
+        self.delay_s = 0.0
+
+    def get(self, key: str) -> Any:
+        data = self.inner.get(key)
+        time.sleep(self.delay_s)
+        return data
+
+
+def test_local_lanes_follow_how_fast_the_tier_reads(cat: Catalog, local: ChunkStore) -> None:
+    """Local chunks are read `max_parallel` at a time before any read of the tier and while
+    reads run at under half the best rate seen (they wait on a device: more in flight keep
+    it busy), and as many at a time as the cores while they run at it (the page cache: each
+    lane hashes and copies, and more lanes than cores only take turns on them)."""
+    cores = usable_cores()
+    wide = cores + 2  # more lanes than cores, on any machine
+    n = CHUNK * 2 * wide + 1
+    pool = PagePool(MODEL.layout, page_size=16, num_pages=n // 16 + 2)
+    route = pool.new_route()
+    t = tokens(n)
+    MODEL.prefill(pool, route, t)
+    with Checkpointer(cat, local, chunk_size=CHUNK) as cp:
+        cp.checkpoint(pool, route, t, MODEL.fingerprint)
+    store = Latency(local)
+    lanes = []
+    with Restorer(cat, [store], max_parallel=wide) as r:
+        for delay_s in (0.002, 0.002, 0.04, 0.04):  # then 20 times slower
+            store.delay_s = delay_s
+            dst = PagePool(MODEL.layout, page_size=16, num_pages=n // 16 + 2)
+            res = r.restore(dst, t, MODEL.fingerprint)
+            assert res.restored_tokens == n - 1
+            assert pool.read(route, 0, n - 1)[0].tobytes() == dst.read(res.route)[0].tobytes()
+            lanes.append(res.report.lanes)
+    # No read yet; reads at the best rate; still (the slow reads lower it); slow now.
+    assert lanes == [{"local": k, "object": 0} for k in (wide, cores, cores, wide)]
 
 
 @pytest.mark.parametrize(
