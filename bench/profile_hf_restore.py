@@ -156,7 +156,7 @@ def main() -> None:
             report = RestoreReport()
             for c in match.chunks:
                 decoded, _, _ = restorer._fetch_verified(
-                    c, tok, match.fingerprint, shard, lay, report, 1
+                    c, tok, match.fingerprint, shard, lay, report, 1, 1
                 )
                 dest.write(decoded.kv, c.token_start, c.tokens_used)
                 del decoded

@@ -95,7 +95,7 @@ class Restorer:
     ) -> None:
         """`max_parallel` chunks whose best replica is local or resident are fetched and
         verified at once (reads and hashes that keep the cores busy; as many as the cores
-        while those reads run at the page cache's speed, see `_local_lanes`), `object_parallel`
+        while those reads mostly hash and copy, see `_local_lanes`), `object_parallel`
         whose best replica is in an object store (GETs that mostly wait on the network),
         all within `byte_budget` stored bytes in flight. `header_cache`: how many verified
         chunk headers to keep, so a chunk restored again (a hot prefix) is hashed and
@@ -118,7 +118,8 @@ class Restorer:
             max_workers=object_parallel, thread_name_prefix="kvc-restore-object"
         )
         self._tier_rates: dict[str, float] = {}
-        self._fastest_rates: dict[str, float] = {}  # the highest `_tier_rates` has been
+        # Per tier, how busy a read keeps its core: see `_local_lanes`.
+        self._tier_busy: dict[str, float] = {}
         self._cores = usable_cores()
         self._fingerprints: LRU[str, Fingerprint] = LRU(64)
         self._rate_lock = threading.Lock()
@@ -300,13 +301,13 @@ class Restorer:
                         return queue.popleft()
                     turn.wait()
 
-        def lane(queue: collections.deque[int]) -> None:
+        def lane(queue: collections.deque[int], lanes: int) -> None:
             nonlocal in_flight, stop
             while (i := take(queue)) is not None:
                 c = chunks[i]
                 try:
                     decoded, location, seconds = self._fetch_verified(
-                        c, tok, fp_hex, shard, layout, report, hash_threads
+                        c, tok, fp_hex, shard, layout, report, hash_threads, lanes
                     )
                     t = time.perf_counter()
                     destination.write(decoded.kv, c.token_start, c.tokens_used)
@@ -329,9 +330,11 @@ class Restorer:
             ("object", queues[True], self._object_executor, self.object_parallel),
         ):
             report.lanes[tier] = lanes = min(width, len(queue))
-            helpers += [executor.submit(lane, queue) for _ in range(lanes - (queue is mine))]
+            helpers += [
+                executor.submit(lane, queue, lanes) for _ in range(lanes - (queue is mine))
+            ]
         try:
-            lane(mine)
+            lane(mine, report.lanes["object" if mine is queues[True] else "local"])
         except BaseException:
             with turn:
                 stop = -1  # the caller is leaving (interrupted): start nothing more
@@ -399,13 +402,17 @@ class Restorer:
         layout: AttentionLayout,
         report: RestoreReport,
         hash_threads: int | None,
+        lanes: int,
     ) -> tuple[DecodedChunk, str, float]:
+        """Read and verify `c` from its best readable replica; its location, and the seconds
+        the read and verify took. `lanes`: how many chunks of its tier are read at once."""
         candidates = self._replica_order(c)
         if not candidates:
             report.failures.append(f"{c.blob_key[:16]}: no replica in a store this worker can read")
             raise _ChunkFailed(c.blob_key)
         for replica, store in candidates:
             t = time.perf_counter()
+            cpu = time.thread_time()
             try:
                 decoded = self._read_verified(store, c, tok, fp_hex, shard, layout, hash_threads)
             except FileNotFoundError as exc:
@@ -421,7 +428,10 @@ class Restorer:
                 self._mark(c, replica, "corrupt", str(exc), report)
                 continue
             seconds = time.perf_counter() - t
-            self._note_rate(replica.tier, c.stored_bytes, seconds)
+            # The share of the read this thread spent on a core, over the share it could
+            # get with `lanes` threads on the cores: about 1 when reading is hashing and copying.
+            busy = (time.thread_time() - cpu) / seconds * max(1.0, lanes / self._cores)
+            self._note_rate(replica.tier, c.stored_bytes, seconds, busy)
             return decoded, replica.location, seconds
         raise _ChunkFailed(c.blob_key)
 
@@ -531,30 +541,29 @@ class Restorer:
             f"blob header disagrees with the catalog: {', '.join(problems) or 'identity'}"
         )
 
-    def _note_rate(self, tier: str, nbytes: int, seconds: float) -> None:
+    def _note_rate(self, tier: str, nbytes: int, seconds: float, busy: float) -> None:
         if seconds <= 0:
             return
         rate = nbytes / seconds
         with self._rate_lock:
             old = self._tier_rates.get(tier)
-            new = self._tier_rates[tier] = rate if old is None else 0.8 * old + 0.2 * rate
-            if new > self._fastest_rates.get(tier, 0.0):
-                self._fastest_rates[tier] = new
+            self._tier_rates[tier] = rate if old is None else 0.8 * old + 0.2 * rate
+            old = self._tier_busy.get(tier)
+            self._tier_busy[tier] = busy if old is None else 0.8 * old + 0.2 * busy
 
     def _local_lanes(self, c: ChunkMatch) -> int:
         """Lanes for the chunks read from local or resident replicas, `c` the first of them.
 
-        As many as the cores while reads of its tier run at the best rate this restorer has
-        seen, within half (the page cache: each lane is hashing and copying, and more lanes
-        than cores only take turns on them); `max_parallel` before any read of the tier, or
-        while they run slower (reads waiting on a device: more of them in flight keep it
-        busy, as after a restart)."""
+        As many as the cores while reads of its tier keep their thread on a core at least
+        half the time they take, for as many threads as the cores can run at once (the page
+        cache: each lane hashes and copies, and more lanes than cores only take turns on
+        them); `max_parallel` before any read of the tier, or while reads spend most of their
+        time waiting (on a device: more reads in flight keep it busy, as after a restart)."""
         order = self._replica_order(c)
         tier = order[0][0].tier if order else None
         with self._rate_lock:
-            rate = self._tier_rates.get(tier) if tier is not None else None
-            fastest = self._fastest_rates.get(tier, 0.0) if tier is not None else 0.0
-        if rate is None or rate < fastest / 2:
+            busy = self._tier_busy.get(tier) if tier is not None else None
+        if busy is None or busy < 0.5:
             return self.max_parallel
         return min(self.max_parallel, self._cores)
 
