@@ -110,10 +110,10 @@ def main() -> None:
             timed(CacheDestination, name, parts)
         times = interleaved({"kvc": lambda: kv.restore(prompt), "floor": floor}, reps)
         fixed = {name: statistics.median(ts) for name, ts in parts.items()}
+        assert kv.last_restore is not None
+        lanes = kv.last_restore.report.lanes["local"]  # as the restorer chose them
         total = sum(fixed.values())
-        print(
-            f"{n} tokens {args.dtype}, {len(paths)} chunks, {kv.restorer.max_parallel} lanes, median of {reps}"
-        )
+        print(f"{n} tokens {args.dtype}, {len(paths)} chunks, {lanes} lanes, median of {reps}")
         print(f"  restore  {times['kvc'] * 1e3:7.3f} ms")
         print(
             f"  floor    {times['floor'] * 1e3:7.3f} ms   ratio {times['floor'] / times['kvc']:.2f}"
