@@ -430,7 +430,8 @@ class Restorer:
             seconds = time.perf_counter() - t
             # The share of the read this thread spent on a core, over the share it could
             # get with `lanes` threads on the cores: about 1 when reading is hashing and copying.
-            busy = (time.thread_time() - cpu) / seconds * max(1.0, lanes / self._cores)
+            cpu = time.thread_time() - cpu
+            busy = cpu / max(seconds, 1e-9) * max(1.0, lanes / self._cores)
             self._note_rate(replica.tier, c.stored_bytes, seconds, busy)
             return decoded, replica.location, seconds
         raise _ChunkFailed(c.blob_key)
