@@ -41,7 +41,7 @@ from chunkstore.local import LocalStore
 from chunkstore.record import _byte_view, _parse, decode_chunk
 from restore.checkpoint import Checkpointer
 from restore.pool import PagePool
-from restore.restore import Restorer, RestoreReport
+from restore.restore import Restorer, RestoreReport, _KnownHeader
 
 
 def main() -> None:
@@ -111,7 +111,7 @@ def main() -> None:
     c = match.chunks[len(match.chunks) // 2]
     view = _byte_view(local.get(c.blob_key))
     decoded = decode_chunk(view, expected_key=c.blob_key)
-    tokens = np.asarray(decoded.header.tokens, np.uint32)  # as the restorer keeps them
+    known = _KnownHeader.of(decoded.header)  # as the restorer keeps it
     restorer = Restorer(cat, [local], max_parallel=1)
     assert match.shard is not None
     shard = match.shard
@@ -120,7 +120,7 @@ def main() -> None:
         "open + mmap (store.get)": lambda: local.get(c.blob_key),
         "header parse and checks": lambda: _parse(view),
         "plan checks (tokens, hashes, shard)": lambda: restorer._check_header(
-            decoded, tokens, c, toks, br.FP.hex, shard
+            decoded, known, c, toks, br.FP.hex, shard
         ),
         "copy into the pool": lambda: dst.write_pages(
             pages, c.token_start, decoded.kv[:, :, : c.tokens_used]
