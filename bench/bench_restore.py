@@ -314,7 +314,7 @@ def restore_section(n: int, reps: int, use_s3: bool, parallel: int, tmp: Path) -
     gb = kv_bytes / 1e9
     lines = [
         f"{n} tokens, {gb * 1e3:,.0f} MB of KV, {len(blobs)} chunks; floors on {' and '.join(map(str, widths))} threads, "
-        f"kvc Restorer(max_parallel={parallel})"
+        f"kvc Restorer(max_parallel={parallel}; as many local lanes as cores while reads keep them busy)"
     ]
 
     def table(

@@ -321,20 +321,21 @@ class Restorer:
                         in_flight -= c.stored_bytes
                         turn.notify_all()
 
+        widths = {
+            False: self._local_lanes(chunks[queues[False][0]]) if queues[False] else 0,
+            True: self.object_parallel,
+        }
+        lanes = {obj: min(widths[obj], len(queue)) for obj, queue in queues.items()}
+        report.lanes = {"local": lanes[False], "object": lanes[True]}
         # The calling thread runs a lane of the tier the first chunk is read from.
-        mine = queues[self._from_object_tier(chunks[0])]
-        helpers: list[Future[None]] = []
-        local = self._local_lanes(chunks[queues[False][0]]) if queues[False] else 0
-        for tier, queue, executor, width in (
-            ("local", queues[False], self._executor, local),
-            ("object", queues[True], self._object_executor, self.object_parallel),
-        ):
-            report.lanes[tier] = lanes = min(width, len(queue))
-            helpers += [
-                executor.submit(lane, queue, lanes) for _ in range(lanes - (queue is mine))
-            ]
+        mine = self._from_object_tier(chunks[0])
+        helpers: list[Future[None]] = [
+            (self._object_executor if obj else self._executor).submit(lane, queue, lanes[obj])
+            for obj, queue in queues.items()
+            for _ in range(lanes[obj] - (obj == mine))
+        ]
         try:
-            lane(mine, report.lanes["object" if mine is queues[True] else "local"])
+            lane(queues[mine], lanes[mine])
         except BaseException:
             with turn:
                 stop = -1  # the caller is leaving (interrupted): start nothing more

@@ -29,6 +29,7 @@ from chunkstore.record import (
     encode_chunk,
     read_header,
 )
+from tests.records import canonical, forge
 
 FP = "ab" * 32
 PREFIX = bytes(range(32))
@@ -69,21 +70,6 @@ def small_record(codec: str) -> EncodedChunk:
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
-
-
-def canonical(obj: object) -> bytes:
-    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return text.encode("utf-8")
-
-
-def forge(header: bytes | object, payload: bytes = b"", version: int = 1) -> bytes:
-    """A record with a correct header digest around any header (canonical JSON unless
-    given as bytes), so that validation is reached past the digest check."""
-    body = header if isinstance(header, bytes) else canonical(header)
-    fixed = struct.pack("<4sHHI", MAGIC, version, 0, len(body))
-    end = len(fixed) + 32 + len(body)
-    pad = bytes(-end % PAYLOAD_ALIGNMENT)
-    return fixed + blake3.blake3(fixed + body).digest() + body + pad + payload
 
 
 def header_dict(record: EncodedChunk) -> dict[str, Any]:

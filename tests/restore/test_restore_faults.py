@@ -13,7 +13,6 @@ import dataclasses
 import json
 import math
 import os
-import struct
 import subprocess
 import sys
 import threading
@@ -32,9 +31,6 @@ from catalog.models import ChunkRecord
 from chunkstore import ChunkStore, open_store
 from chunkstore.errors import StoreUnavailableError
 from chunkstore.record import (
-    FORMAT_VERSION,
-    MAGIC,
-    PAYLOAD_ALIGNMENT,
     EncodedChunk,
     read_header,
 )
@@ -47,6 +43,7 @@ from restore.errors import PoolExhaustedError
 from restore.pool import PagePool
 from restore.restore import Restorer
 from restore.write_behind import to_replica_receipt
+from tests.records import forge
 from tests.store_wrappers import Delegating
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -247,11 +244,7 @@ def rle_zstd_frame(size: int) -> bytes:
 
 def record(header: Any, payload: bytes) -> EncodedChunk:
     """A record of `header` (whatever it says) over `payload`, under its own key."""
-    hb = header.to_json()
-    fixed = struct.pack("<4sHHI", MAGIC, FORMAT_VERSION, 0, len(hb))
-    end = len(fixed) + 32 + len(hb)
-    data = fixed + blake3.blake3(fixed + hb).digest() + hb + bytes(-end % PAYLOAD_ALIGNMENT)
-    data += payload
+    data = forge(header.to_json(), payload)
     return EncodedChunk(key=blake3.blake3(data).hexdigest(), data=data, header=header)
 
 
