@@ -27,7 +27,8 @@ For each dtype and prompt length it prints, medians of `--reps` runs:
   of the CPU seconds they used (every thread; on a loaded machine the wall clock
   mostly measures the share of the cores a run got) and the median of kvc's catalog
   lookup (the floor has none: "bound" is the ratio the floor would reach with it);
-  `--parallel N` sets kvc's `max_parallel` (its lanes for local chunks), `--cold` drops
+  `--parallel N` sets kvc's `max_parallel` (its most lanes for local chunks: it
+  takes as many as the cores while reads keep them busy), `--cold` drops
   the blobs from the page cache before every kvc and floor run;
 - S3: kvc's restore from SeaweedFS beside the S3 floor of issue 14 (raw boto3 GETs of
   the same blobs, 2, 4 and 8 at a time, no verify; the fastest), in the same run;
