@@ -546,12 +546,10 @@ class Restorer:
     def _note_rate(self, tier: str, nbytes: int, seconds: float, busy: float) -> None:
         if seconds <= 0:
             return
-        rate = nbytes / seconds
         with self._rate_lock:
-            old = self._tier_rates.get(tier)
-            self._tier_rates[tier] = rate if old is None else 0.8 * old + 0.2 * rate
-            old = self._tier_busy.get(tier)
-            self._tier_busy[tier] = busy if old is None else 0.8 * old + 0.2 * busy
+            for averages, value in ((self._tier_rates, nbytes / seconds), (self._tier_busy, busy)):
+                old = averages.get(tier)
+                averages[tier] = value if old is None else 0.8 * old + 0.2 * value
 
     def _local_lanes(self, c: ChunkMatch) -> int:
         """Lanes for the chunks read from local or resident replicas, `c` the first of them.
